@@ -1,0 +1,135 @@
+"""Run a test body on N ranks: gloo on CPU, or NCCL with one GPU per rank (TPFLASH_TEST_BACKEND=nccl,
+or automatically when N GPUs are visible).
+
+Starting a process and importing torch costs seconds, so ranks are kept in a pool per world
+size and reused across tests. A body is a module-level function (pickled by reference), run
+on every rank as body(*args); it asserts what it checks. Any failure or timeout tears the pool
+down (its collectives may be out of step) and the next test gets a fresh one.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Callable, Dict, List
+
+import torch
+import torch.multiprocessing as mp
+
+TIMEOUT_S = float(os.environ.get("TPFLASH_TEST_TIMEOUT", "180"))
+
+
+def backend_for(world_size: int) -> str:
+    forced = os.environ.get("TPFLASH_TEST_BACKEND")
+    if forced:
+        return forced
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from tpflash.parallel.state import set_default_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # noqa: BLE001 - report everything, the driver decides
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            set_default_state(None)
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """world_size processes with an initialised default process group, waiting for bodies to run."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.backend = backend_for(world_size)
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.backend, self.tasks[r],
+                                                        self.results), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn: Callable, *args, timeout: float = TIMEOUT_S) -> List:
+        """Run fn(*args) on every rank; return the per-rank results, or raise with every rank's traceback."""
+        for q in self.tasks:
+            q.put((fn, args))
+        got: Dict[int, tuple] = {}
+        wait = timeout
+        while len(got) < self.world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=wait)
+            except queue.Empty:
+                break
+            got[rank] = (ok, value)
+            if not ok:
+                wait = 10.0  # peers may be stuck in a collective the failed rank never joined
+        failures = {r: v for r, (ok, v) in got.items() if not ok}
+        missing = sorted(set(range(self.world_size)) - set(got))
+        if failures or missing:
+            self.broken = True
+            lines = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
+            if missing:
+                lines.append(f"ranks {missing} did not finish within {timeout:.0f}s (hung or died)")
+            raise AssertionError(f"{fn.__name__} failed on {self.world_size} ranks ({self.backend}):\n"
+                                 + "\n".join(lines))
+        return [got[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        if not self.broken:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class PoolCache:
+    """One live RankPool per world size; a broken pool is replaced on next use."""
+
+    def __init__(self):
+        self.pools: Dict[int, RankPool] = {}
+
+    def __call__(self, world_size: int) -> RankPool:
+        pool = self.pools.get(world_size)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = self.pools[world_size] = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()

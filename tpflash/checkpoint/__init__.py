@@ -1,0 +1,1 @@
+"""Sharded checkpoints over torch.distributed.checkpoint."""

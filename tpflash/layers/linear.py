@@ -1,0 +1,133 @@
+"""Column- and row-parallel linear layers (Megatron-style tensor parallelism).
+
+ColumnParallelLinear splits the weight's output features over the tp group: each rank
+computes out_features/tp columns of y = x W^T + b. RowParallelLinear splits the input
+features: each rank computes a partial sum that is all-reduced (or reduce-scattered along
+the sequence under sequence parallelism). A Column -> Row pair is a tensor-parallel MLP with
+one collective in each direction.
+
+Sequence-parallel activations are sequence-first, [seq/tp, batch, hidden]: gathering dim 0
+is one contiguous collective with no copy (the layers take `seq_dim` for other layouts).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel import comm
+from ..parallel.sharding import ShardSpec
+from ..parallel.state import group_rank, group_size, resolve_tp_group
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def init_linear_full(out_features: int, in_features: int, bias: bool, init_method: Optional[InitMethod],
+                     device=None, dtype=None):
+    """The unsharded (weight, bias) exactly as nn.Linear(in, out) initialises them for the same RNG
+    state (same draws in the same order), or with `init_method(weight)` and a zero bias."""
+    weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    b = torch.empty(out_features, device=device, dtype=dtype) if bias else None
+    if init_method is None:
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        if b is not None:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            nn.init.uniform_(b, -bound, bound)
+    else:
+        init_method(weight)
+        if b is not None:
+            nn.init.zeros_(b)
+    return weight, b
+
+
+def _check_divisible(name: str, value: int, tp: int) -> None:
+    if value % tp != 0:
+        raise ValueError(f"{name}={value} is not divisible by tp={tp}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W [out_features, in_features] split by rows (output features) over tp.
+
+    Input: [*, in_features], replicated over tp; or, with sequence_parallel, [seq/tp, *, in]
+    sharded along `seq_dim` (all-gathered here). Output: [*, out_features/tp] on each rank, or
+    [*, out_features] with gather_output. Process group: `process_group`, else the default
+    state's tp group, else none (tp=1, a plain nn.Linear).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 sequence_parallel: bool = False, process_group=None, *, init_method: Optional[InitMethod] = None,
+                 seq_dim: int = 0, device=None, dtype=None):
+        super().__init__()
+        self.process_group = resolve_tp_group(process_group)
+        tp, rank = group_size(self.process_group), group_rank(self.process_group)
+        _check_divisible("out_features", out_features, tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
+        self.tp_shard_specs = {"weight": ShardSpec(0, out_features)}
+        weight, b = init_linear_full(out_features, in_features, bias, init_method, device, dtype)
+        self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(weight, rank, tp))
+        if bias:
+            self.tp_shard_specs["bias"] = ShardSpec(0, out_features)
+            self.bias = nn.Parameter(self.tp_shard_specs["bias"].shard(b, rank, tp))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = comm.all_gather_along_seq(x, self.process_group, self.seq_dim)  # [seq, *, in]
+        else:
+            x = comm.copy_to_tp_region(x, self.process_group)
+        y = F.linear(x, self.weight, self.bias)  # [*, out/tp]
+        if self.gather_output:
+            y = comm.gather_along_dim(y, -1, self.process_group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W [out_features, in_features] split by columns (input features) over tp.
+
+    Input: [*, in_features/tp] (input_is_parallel, e.g. a ColumnParallelLinear's output) or
+    [*, in_features] replicated (split here). Output: [*, out_features] summed over tp, or, with
+    sequence_parallel, reduce-scattered along `seq_dim` to [seq/tp, *, out_features].
+    The bias is replicated and added after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, process_group=None, *, init_method: Optional[InitMethod] = None,
+                 seq_dim: int = 0, device=None, dtype=None):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input must already be "
+                             "split over features)")
+        self.process_group = resolve_tp_group(process_group)
+        tp, rank = group_size(self.process_group), group_rank(self.process_group)
+        _check_divisible("in_features", in_features, tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel, self.seq_dim = input_is_parallel, sequence_parallel, seq_dim
+        self.tp_shard_specs = {"weight": ShardSpec(1, in_features)}
+        weight, b = init_linear_full(out_features, in_features, bias, init_method, device, dtype)
+        self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(weight, rank, tp))
+        self.bias = nn.Parameter(b) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = comm.split_along_dim(x, -1, self.process_group)
+        y = F.linear(x, self.weight)  # [*, out] partial sum over tp
+        if self.sequence_parallel:
+            y = comm.reduce_scatter_along_seq(y, self.process_group, self.seq_dim)
+            bias = None if self.bias is None else comm.copy_to_tp_region(self.bias, self.process_group)
+        else:
+            y = comm.reduce_from_tp_region(y, self.process_group)
+            bias = self.bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}")

@@ -1,0 +1,1 @@
+"""GPT/Llama models built from tpflash.layers, and Hugging Face import/export."""

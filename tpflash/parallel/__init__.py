@@ -1,0 +1,7 @@
+"""Parallel state, collectives and sharding metadata (used by every layer above the kernels)."""
+from . import comm
+from .sharding import ShardSpec, full_state_dict, load_full_state_dict
+from .state import ParallelState, check_layout, get_default_state, init, resolve_tp_group, set_default_state
+
+__all__ = ["ParallelState", "ShardSpec", "check_layout", "comm", "full_state_dict", "get_default_state", "init",
+           "load_full_state_dict", "resolve_tp_group", "set_default_state"]

@@ -1,0 +1,201 @@
+"""Autograd-aware collectives over a tensor-parallel process group.
+
+Every function takes the group explicitly; `group=None` (or a group of one) makes it the
+identity, so layers built on these also run in a plain single-process script.
+
+Forward / backward pairs (the duals of each other):
+    copy_to_tp_region        identity        / all-reduce
+    reduce_from_tp_region    all-reduce      / identity
+    split_along_dim          keep own chunk  / all-gather
+    gather_along_dim         all-gather      / keep own chunk
+    all_gather_along_seq     all-gather      / reduce-scatter   (sequence parallelism)
+    reduce_scatter_along_seq reduce-scatter  / all-gather       (sequence parallelism)
+
+`*_async` functions are the raw (non-autograd) primitives returning a `PendingCollective`
+handle; the overlap code builds its own autograd functions from them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+# torch 2.13 renamed the single-tensor collectives; 2.11 (the GPU machines) has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _size(group: ProcessGroup) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group: ProcessGroup) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class PendingCollective:
+    """Handle of an in-flight collective; `wait()` blocks (on CUDA: orders the stream) and returns the result."""
+
+    def __init__(self, work, result: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+        self._work, self._result, self._finish = work, result, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._finish(self._result)
+
+
+def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> None:
+    if x.shape[dim] % world != 0:
+        raise ValueError(f"{what}: size {x.shape[dim]} of dim {dim} (shape {tuple(x.shape)}) "
+                         f"is not divisible by the group size {world}")
+
+
+def all_reduce_async(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:
+    """Sum `x` over the group into a new tensor (x itself is left alone)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    work = dist.all_reduce(out, group=group, async_op=True) if _size(group) > 1 else None
+    return PendingCollective(work, out)
+
+
+def all_gather_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> PendingCollective:
+    """Concatenate every rank's `x` along `dim` (rank order). [.., n, ..] -> [.., world*n, ..]"""
+    world = _size(group)
+    if world == 1:
+        return PendingCollective(None, x)
+    dim = dim % x.dim()
+    moved = x.movedim(dim, 0).contiguous()  # dim 0 gathers need no copy afterwards
+    out = moved.new_empty((world * moved.shape[0],) + moved.shape[1:])
+    work = _all_gather_single(out, moved, group=group, async_op=True)
+    finish = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
+    return PendingCollective(work, out, finish)
+
+
+def reduce_scatter_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> PendingCollective:
+    """Sum `x` over the group and keep this rank's chunk along `dim`. [.., world*n, ..] -> [.., n, ..]"""
+    world = _size(group)
+    if world == 1:
+        return PendingCollective(None, x)
+    dim = dim % x.dim()
+    _check_divisible(x, dim, world, "reduce_scatter")
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // world,) + moved.shape[1:])
+    work = _reduce_scatter_single(out, moved, group=group, async_op=True)
+    finish = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
+    return PendingCollective(work, out, finish)
+
+
+def all_reduce(x, group):
+    return all_reduce_async(x, group).wait()
+
+
+def all_gather(x, dim, group):
+    return all_gather_async(x, dim, group).wait()
+
+
+def reduce_scatter(x, dim, group):
+    return reduce_scatter_async(x, dim, group).wait()
+
+
+def split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous chunk of `x` along `dim` (no communication)."""
+    world = _size(group)
+    if world == 1:
+        return x
+    _check_divisible(x, dim, world, "split")
+    return x.chunk(world, dim=dim)[_rank(group)].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitAlongDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherAlongDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherReduceScatter(torch.autograd.Function):
+    """all-gather forward, reduce-scatter backward (or the reverse when `gather=False`)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, gather):
+        ctx.dim, ctx.group, ctx.gather = dim, group, gather
+        return all_gather(x, dim, group) if gather else reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = reduce_scatter(grad, ctx.dim, ctx.group) if ctx.gather else all_gather(grad, ctx.dim, ctx.group)
+        return g, None, None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (input of a column-parallel layer)."""
+    return x if _size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-reduce (sum) forward; identity backward (output of a row-parallel layer)."""
+    return x if _size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def split_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Keep this rank's chunk along `dim` forward; all-gather the gradient backward."""
+    return x if _size(group) == 1 else _SplitAlongDim.apply(x, dim, group)
+
+
+def gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """All-gather along `dim` forward; keep this rank's chunk of the gradient backward."""
+    return x if _size(group) == 1 else _GatherAlongDim.apply(x, dim, group)
+
+
+def all_gather_along_seq(x: torch.Tensor, group: ProcessGroup, seq_dim: int = 0) -> torch.Tensor:
+    """Sequence parallelism: [seq/tp, ...] -> [seq, ...] forward; reduce-scatter of the gradient backward.
+
+    The gradient is reduced because each rank's consumer (a column-parallel GEMM) contributes
+    a partial gradient for every token.
+    """
+    return x if _size(group) == 1 else _AllGatherReduceScatter.apply(x, seq_dim, group, True)
+
+
+def reduce_scatter_along_seq(x: torch.Tensor, group: ProcessGroup, seq_dim: int = 0) -> torch.Tensor:
+    """Sequence parallelism: partial sums [seq, ...] -> summed [seq/tp, ...]; all-gather backward."""
+    return x if _size(group) == 1 else _AllGatherReduceScatter.apply(x, seq_dim, group, False)

@@ -1,0 +1,151 @@
+"""Parallel state: the (dp, tp) device mesh and its process groups, built from the torchrun env.
+
+`init(tp=2)` is the one place that creates process groups. It returns a `ParallelState` and
+also records it as the *default* state, which layers consult when they are given no
+`process_group`. That default is the only module-level state in tpflash; `set_default_state`
+replaces or clears it (tests and programs that build two models with different groups use it,
+or simply pass `process_group=` explicitly).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class ParallelState:
+    """The layout of one job: world = dp * tp ranks, tp innermost (tp ranks are neighbours).
+
+    Rank r has tp_rank = r % tp and dp_rank = r // tp, so a tp group never spans nodes when
+    tp divides the GPUs per node.
+    """
+
+    mesh: DeviceMesh  # 2-D, dims ("dp", "tp")
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.mesh["dp"]
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp_size
+
+    def __repr__(self) -> str:
+        return (f"ParallelState(rank={self.rank}, dp={self.dp_rank}/{self.dp_size}, "
+                f"tp={self.tp_rank}/{self.tp_size}, device={self.device})")
+
+
+_default_state: Optional[ParallelState] = None
+
+
+def get_default_state() -> Optional[ParallelState]:
+    """The state made by the last `init` (or given to `set_default_state`), or None."""
+    return _default_state
+
+
+def set_default_state(state: Optional[ParallelState]) -> None:
+    """Replace the default state that layers use when `process_group` is None."""
+    global _default_state
+    _default_state = state
+
+
+def check_layout(world_size: int, tp: int, dp: int) -> int:
+    """Validate (world, tp, dp) and return dp (resolving dp=-1). Raises ValueError naming the numbers."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be an integer >= 1")
+    if world_size % tp != 0:
+        raise ValueError(f"world size {world_size} is not divisible by tp={tp}")
+    if dp == -1:
+        return world_size // tp
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp={dp!r} must be -1 (infer) or an integer >= 1")
+    if dp * tp != world_size:
+        raise ValueError(f"dp={dp} * tp={tp} = {dp * tp} does not equal the world size {world_size}")
+    return dp
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None,
+         timeout_s: float = 600.0) -> ParallelState:
+    """Initialise torch.distributed from the torchrun environment and build the (dp, tp) mesh.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT through the env:// rendezvous);
+    with none set, runs as a single process (world 1) on a local rendezvous. The backend is
+    nccl when CUDA is available, else gloo. The device is cuda:LOCAL_RANK or cpu.
+    The layout is checked before any group is created, so bad input cannot hang.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
+    dp = check_layout(world_size, tp, dp)
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if use_cuda:
+        local_rank = _env_int("LOCAL_RANK", 0)
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} "
+                             "CUDA devices are visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"),
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if use_cuda else None)
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    state = ParallelState(
+        mesh=mesh, tp_group=mesh["tp"].get_group(), dp_group=mesh["dp"].get_group(),
+        tp_rank=mesh["tp"].get_local_rank(), tp_size=tp,
+        dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, device=device)
+    set_default_state(state)
+    return state
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_tp_group(process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The group a layer works on: the one given, else the default state's tp group, else None (tp=1)."""
+    if process_group is not None:
+        return process_group
+    state = get_default_state()
+    return state.tp_group if state is not None else None
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return 0 if group is None else dist.get_rank(group)

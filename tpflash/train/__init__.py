@@ -1,0 +1,1 @@
+"""The training entry point (torchrun -m tpflash.train)."""
