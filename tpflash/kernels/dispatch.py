@@ -1,0 +1,65 @@
+"""Which implementation a kernel call runs: Triton, the plain-PyTorch reference, or torch SDPA.
+
+"auto" (the default) runs Triton when the tensors are on CUDA and the reference otherwise.
+`TPFLASH_KERNELS=auto|triton|reference` sets the process-wide choice; `use_backend(name)`
+overrides it inside a `with` block (tests force "triton" on CPU under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from typing import Iterator, Optional
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+_forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tpflash_kernels_backend", default=None)
+
+
+def _check(name: str, where: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{where}={name!r} must be one of {BACKENDS}")
+    return name
+
+
+def requested_backend() -> str:
+    """The backend asked for: the innermost `use_backend`, else $TPFLASH_KERNELS, else "auto"."""
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    return _check(os.environ.get("TPFLASH_KERNELS", "auto").strip().lower() or "auto", "TPFLASH_KERNELS")
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force `name` ("auto", "triton" or "reference") for the kernel calls made inside the block."""
+    token = _forced.set(_check(name, "backend"))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pick(x: torch.Tensor) -> str:
+    """"triton" or "reference" for a call on tensor `x`."""
+    name = requested_backend()
+    if name == "auto":
+        return "triton" if x.is_cuda and triton_available() else "reference"
+    if name == "triton" and not x.is_cuda and not interpreting():
+        raise ValueError("backend 'triton' was forced for a CPU tensor but TRITON_INTERPRET is not set "
+                         "(Triton runs on CPU only in interpreter mode)")
+    return name
