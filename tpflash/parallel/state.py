@@ -101,7 +101,10 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None,
     """
     world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
     dp = check_layout(world_size, tp, dp)
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if dist.is_initialized():  # follow the group the caller made (a gloo job on a GPU machine stays on CPU)
+        use_cuda = "nccl" in str(dist.get_backend())
+    else:
+        use_cuda = torch.cuda.is_available() and backend != "gloo"
     if use_cuda:
         local_rank = _env_int("LOCAL_RANK", 0)
         if local_rank >= torch.cuda.device_count():
