@@ -1,0 +1,181 @@
+"""Training data: tokenizers, token sources (raw text or np.memmap token files) and a train/eval split.
+
+The token stream is one flat array; sample i is the window tokens[i*seq : i*seq + seq + 1]
+(inputs are its first seq tokens, targets its last seq). The last `eval_fraction` of the
+stream is held out for evaluation. Which sample each rank reads is decided by
+tpflash.train.sampler.
+"""
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+import sysconfig
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .config import DataConfig
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255 (no merges, no special tokens): needs no files, never fails."""
+
+    vocab_size = 256
+
+    def encode(self, text) -> np.ndarray:
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer found locally (a path, or a name in the local cache; no download)."""
+
+    def __init__(self, name: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ValueError(f"tokenizer={name!r} needs the transformers package; install it or use "
+                             "tokenizer=byte") from None
+        try:
+            self.tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+            raise ValueError(f"tokenizer={name!r} is not available locally ({type(e).__name__}: {e}); "
+                             "give a local directory or use tokenizer=byte") from None
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text) -> np.ndarray:
+        if not isinstance(text, str):
+            text = bytes(text).decode("utf-8", errors="replace")
+        dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
+        return np.asarray(self.tok.encode(text, add_special_tokens=False), dtype=dtype)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def make_tokenizer(name: str):
+    """"byte" (built in) or a local Hugging Face tokenizer."""
+    return ByteTokenizer() if name in ("", "byte") else HFTokenizer(name)
+
+
+def stdlib_dir() -> str:
+    """The Python standard library's source directory (text that is on every machine)."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def _expand(path: str) -> str:
+    return stdlib_dir() if path == "@stdlib" else os.path.expanduser(path)
+
+
+def text_files(paths: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> List[str]:
+    """Files under `paths` (files, directories, globs) whose name matches `include` and whose path
+    contains no `exclude` pattern (fnmatch on any path component or the whole path). Sorted."""
+    def wanted(p: str) -> bool:
+        parts = p.split(os.sep)
+        if any(fnmatch.fnmatch(p, e) or any(fnmatch.fnmatch(c, e) for c in parts) for e in exclude):
+            return False
+        return any(fnmatch.fnmatch(os.path.basename(p), pat) for pat in include)
+
+    found = set()
+    for raw in paths:
+        path = _expand(raw)
+        matches = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
+        if not matches or not all(os.path.exists(m) for m in matches):
+            raise ValueError(f"data.path {raw!r} does not exist")
+        for m in matches:
+            if os.path.isdir(m):
+                for root, dirs, files in os.walk(m):
+                    dirs.sort()
+                    found.update(os.path.join(root, f) for f in files if wanted(os.path.join(root, f)))
+            elif wanted(m) or not glob.has_magic(path):
+                found.add(m)
+    return sorted(found)
+
+
+def _token_format(cfg: DataConfig) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    if len(cfg.path) == 1:
+        ext = os.path.splitext(cfg.path[0])[1]
+        if ext in (".bin", ".u16"):
+            return "uint16"
+        if ext == ".u32":
+            return "uint32"
+    return "text"
+
+
+def load_tokens(cfg: DataConfig, tokenizer) -> np.ndarray:
+    """The whole token stream as a 1-D array (a read-only memmap for token files)."""
+    if not cfg.path:
+        raise ValueError("data.path is empty: give text files/directories or a token file")
+    fmt = _token_format(cfg)
+    if fmt in ("uint16", "uint32"):
+        if len(cfg.path) != 1 or not os.path.isfile(cfg.path[0]):
+            raise ValueError(f"data.format={fmt} needs exactly one existing token file, got data.path={cfg.path}")
+        tokens = np.memmap(cfg.path[0], dtype=np.dtype(fmt), mode="r")
+        if cfg.max_bytes:
+            tokens = tokens[: cfg.max_bytes // tokens.itemsize]
+        return tokens
+    files = text_files(cfg.path, cfg.include, cfg.exclude)
+    if not files:
+        raise ValueError(f"no files match data.path={cfg.path} include={cfg.include} exclude={cfg.exclude}")
+    chunks, total = [], 0
+    for name in files:
+        with open(name, "rb") as f:
+            data = f.read()
+        if cfg.max_bytes and total + len(data) > cfg.max_bytes:
+            data = data[: cfg.max_bytes - total]
+        chunks.append(data + b"\n")
+        total += len(data) + 1
+        if cfg.max_bytes and total >= cfg.max_bytes:
+            break
+    return tokenizer.encode(b"".join(chunks))
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats per token) of the tokens' frequency distribution: the loss of the best model that
+    ignores context. A model that learned anything beats it."""
+    counts = np.bincount(np.asarray(tokens[: 50_000_000], dtype=np.int64), minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+class TokenWindows:
+    """Sample i of a token array: inputs tokens[i*seq : (i+1)*seq], targets shifted by one."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.num_samples = max(0, (len(tokens) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def batch(self, indices: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each [len(indices), seq] int64."""
+        s = self.seq_len
+        rows = np.stack([np.asarray(self.tokens[i * s: i * s + s + 1], dtype=np.int64) for i in indices])
+        rows = torch.from_numpy(rows)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def split_train_eval(tokens: np.ndarray, seq_len: int, eval_fraction: float,
+                     min_eval: int = 1) -> Tuple[TokenWindows, Optional[TokenWindows]]:
+    """The stream's head for training and its tail (eval_fraction of it) held out for evaluation."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction={eval_fraction} must be in [0, 1)")
+    n_eval = int(len(tokens) * eval_fraction)
+    if eval_fraction > 0:
+        n_eval = max(n_eval, min_eval * seq_len + 1)
+    train = TokenWindows(tokens[: len(tokens) - n_eval], seq_len)
+    held = TokenWindows(tokens[len(tokens) - n_eval:], seq_len) if n_eval else None
+    if len(train) == 0:
+        raise ValueError(f"{len(tokens)} tokens give no training sample of seq_len={seq_len} "
+                         f"after holding out eval_fraction={eval_fraction}")
+    return train, held

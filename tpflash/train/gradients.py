@@ -1,0 +1,82 @@
+"""Gradient reduction over dp (when FSDP does not do it) and global-norm clipping over all shards.
+
+The global norm is the norm of the *full* model's gradient, the same number on every rank:
+tp-sharded parameters (those named in a module's `tp_shard_specs`) contribute their local
+squares summed over the tp group; parameters replicated over tp count once (their gradients are
+equal on every tp rank); under FSDP every gradient is also a dp shard, so squares are summed
+over the dp group too.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..parallel.sharding import iter_sharded
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The locally held values of a (possibly DTensor) tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tp_sharded_param_ids(model: nn.Module) -> Set[int]:
+    """ids of the parameters split over tp (from the modules' tp_shard_specs)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {id(params[key]) for key, _, _ in iter_sharded(model) if key in params}
+
+
+def _grads(model: nn.Module) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+    return [(p, p.grad) for p in model.parameters() if p.grad is not None]
+
+
+def all_reduce_grads_over_dp(model: nn.Module, dp_group: Optional[dist.ProcessGroup]) -> None:
+    """Average plain (non-FSDP) gradients over the dp group, in flat buckets of one dtype."""
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return
+    world = dist.get_world_size(dp_group)
+    by_dtype = {}
+    for _, g in _grads(model):
+        by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat.div_(world)
+        dist.all_reduce(flat, group=dp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def global_grad_norm(model: nn.Module, tp_group: Optional[dist.ProcessGroup],
+                     dp_group: Optional[dist.ProcessGroup], grads_sharded_over_dp: bool,
+                     sharded_ids: Optional[Set[int]] = None) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient (fp32 scalar on the grads' device), equal on all ranks."""
+    sharded_ids = tp_sharded_param_ids(model) if sharded_ids is None else sharded_ids
+    pairs = _grads(model)
+    device = pairs[0][1].device if pairs else torch.device("cpu")
+    sums = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, replicated over tp]
+    for p, g in pairs:
+        sums[0 if id(p) in sharded_ids else 1] += _local(g).detach().float().pow(2).sum()
+    if grads_sharded_over_dp and dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(sums, group=dp_group)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        sharded = sums[:1].clone()
+        dist.all_reduce(sharded, group=tp_group)
+        sums = torch.cat([sharded, sums[1:]])
+    return sums.sum().sqrt()
+
+
+def clip_grads_(params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients by min(1, max_norm / total_norm) (no host sync: the factor stays a tensor)."""
+    if max_norm <= 0:
+        return
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    by_device = {}
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
