@@ -1,5 +1,12 @@
 """Tensor-parallel layers."""
+from .attention import KVLinear, ParallelAttention, check_heads
+from .block import ParallelTransformerBlock
 from .embedding import VocabParallelEmbedding, padded_vocab_size
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .mlp import ParallelMLP
+from .norm import ParallelNorm
+from .rotary import RotaryEmbedding
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "padded_vocab_size"]
+__all__ = ["ColumnParallelLinear", "KVLinear", "ParallelAttention", "ParallelMLP", "ParallelNorm",
+           "ParallelTransformerBlock", "RotaryEmbedding", "RowParallelLinear", "VocabParallelEmbedding",
+           "check_heads", "padded_vocab_size"]

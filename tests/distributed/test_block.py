@@ -1,0 +1,88 @@
+"""ParallelTransformerBlock equals the plain pre-norm block, forward and backward, tp in {2, 4}, +/- SP;
+norm-weight gradients are reduced under SP; dropout masks follow the tp layout; checkpointing
+replays the same masks."""
+import pytest
+import torch
+
+from tests.distributed.checks import assert_close, init_tp
+from tests.models.reference import RefBlock, check_against_reference, seq_rows
+from tpflash.layers import ParallelTransformerBlock
+from tpflash.parallel import comm
+from tpflash.parallel.random import RNGTracker
+
+HIDDEN, HEADS, FFN = 32, 4, 64
+GPT2 = dict(n_kv_head=4, mlp="gelu", norm="layernorm", position="learned", bias=True)
+LLAMA = dict(n_kv_head=2, mlp="swiglu", norm="rmsnorm", position="rotary", bias=False)
+
+
+def block_body(tp, family, sequence_parallel, checkpoint=None):
+    ps = init_tp(tp)
+    kw = GPT2 if family == "gpt2" else LLAMA
+    torch.manual_seed(0)
+    block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, sequence_parallel=sequence_parallel,
+                                     checkpoint=checkpoint, **kw)
+    ref = RefBlock(HIDDEN, HEADS, kw["n_kv_head"], FFN, kw["mlp"], kw["norm"], kw["position"] == "rotary",
+                   kw["bias"])
+    check_against_reference(ps, block, ref, HIDDEN, sequence_parallel)
+    for name, p in block.named_parameters():  # replicated parameters must stay replicated
+        if "norm" in name:
+            assert_close(p.grad, comm.all_reduce(p.grad, ps.tp_group) / tp, f"{name} grad differs across tp")
+
+
+def dropout_body(tp, sequence_parallel):
+    """Returns this rank's block output with dropout on, for the driver to compare across ranks."""
+    ps = init_tp(tp)
+    torch.manual_seed(0)
+    tracker = RNGTracker(seed=7, tp_rank=ps.tp_rank)
+    block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, dropout=0.5, sequence_parallel=sequence_parallel,
+                                     rng_tracker=tracker)
+    torch.manual_seed(1)
+    x = torch.randn(8, 2, HIDDEN)
+    out, residual = block(x[seq_rows(8, ps.tp_rank, tp, sequence_parallel)])
+    return (out + residual).detach()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_block_matches_reference(ranks, tp, family, sequence_parallel):
+    ranks(tp).run(block_body, tp, family, sequence_parallel)
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "mlp"])
+def test_checkpointed_block_matches_reference(ranks, checkpoint):
+    ranks(2).run(block_body, 2, "llama", True, checkpoint)
+
+
+def test_dropout_is_identical_across_tp_without_sequence_parallel(ranks):
+    outs = ranks(2).run(dropout_body, 2, False)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_dropout_masks_differ_across_tp_shards_under_sequence_parallel():
+    a, b = RNGTracker(seed=7, tp_rank=0), RNGTracker(seed=7, tp_rank=1)
+    x = torch.ones(1000)
+    assert not torch.equal(a.dropout(x, 0.5, sharded=True), b.dropout(x, 0.5, sharded=True))
+    assert torch.equal(a.dropout(x, 0.5, sharded=False), b.dropout(x, 0.5, sharded=False))
+
+
+def test_tracker_leaves_the_default_generator_alone():
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    RNGTracker(seed=7).dropout(torch.ones(10), 0.5, sharded=True)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_full_checkpointing_replays_dropout_masks():
+    grads = []
+    for checkpoint in (None, "full"):
+        torch.manual_seed(0)
+        block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, dropout=0.3, checkpoint=checkpoint,
+                                         rng_tracker=RNGTracker(seed=5))
+        x = torch.randn(8, 2, HIDDEN, requires_grad=True)
+        out, residual = block(x)
+        (out + residual).square().sum().backward()
+        grads.append([x.grad] + [p.grad for p in block.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

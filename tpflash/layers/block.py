@@ -1,0 +1,90 @@
+"""Pre-norm transformer block over tp, in sequence-parallel form when asked.
+
+    stream = x + residual                     (the residual add is deferred into the next norm)
+    h, stream = attn_norm(x, residual)        fused add + norm
+    a = dropout(attn(h))
+    h, stream = mlp_norm(a, stream)           fused add + norm
+    return dropout(mlp(h)), stream            the caller's next norm adds them
+
+With sequence_parallel, x, residual and both outputs are [seq/tp, batch, hidden]: attention and
+the MLP all-gather their input once before their column GEMMs and reduce-scatter after their row
+GEMM; the norms, dropouts and residual adds run on 1/tp of the tokens. Without it they are
+[seq, batch, hidden], replicated over tp.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from ..parallel.random import RNGTracker
+from ..parallel.state import group_rank, resolve_tp_group
+from .attention import ParallelAttention
+from .linear import InitMethod
+from .mlp import ParallelMLP
+from .norm import ParallelNorm
+
+CHECKPOINTING = (None, "full", "mlp")
+
+
+class ParallelTransformerBlock(nn.Module):
+    """One GPT/Llama block: ParallelAttention and ParallelMLP, each behind a (fused-residual) norm.
+
+    forward(x, residual=None) -> (out, residual): the residual stream after the block is
+    out + residual (residual=None on the first block means x is the whole stream); finish the
+    last block with `final_norm(out, residual)`. Layout: [seq, batch, hidden], or
+    [seq/tp, batch, hidden] with sequence_parallel.
+    checkpoint: None, "full" (recompute the whole block in backward) or "mlp" (recompute the MLP
+    only, whose [seq, batch, ffn/tp] activations are the block's largest).
+    Dropout (residual branches) draws from `rng_tracker`: the "sharded" stream under SP, the
+    "replicated" one otherwise (tpflash.parallel.random). Parameters: attn_norm, attn, mlp_norm, mlp.
+    """
+
+    def __init__(self, hidden: int, n_head: int, n_kv_head: Optional[int] = None, ffn_hidden: Optional[int] = None,
+                 mlp: str = "gelu", norm: str = "layernorm", position: str = "learned", bias: bool = True,
+                 norm_eps: float = 1e-5, rope_theta: float = 10000.0, dropout: float = 0.0,
+                 sequence_parallel: bool = False, process_group=None, *, checkpoint: Optional[str] = None,
+                 rng_tracker: Optional[RNGTracker] = None, init_method: Optional[InitMethod] = None,
+                 out_init_method: Optional[InitMethod] = None, device=None, dtype=None):
+        super().__init__()
+        if checkpoint not in CHECKPOINTING:
+            raise ValueError(f"checkpoint={checkpoint!r} must be one of {CHECKPOINTING}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout={dropout} must be in [0, 1)")
+        self.process_group = resolve_tp_group(process_group)
+        self.sequence_parallel, self.dropout, self.checkpoint = sequence_parallel, dropout, checkpoint
+        self.rng_tracker = rng_tracker or RNGTracker(tp_rank=group_rank(self.process_group), device=device)
+        ffn_hidden = ffn_hidden or 4 * hidden
+        norm_kw = dict(kind=norm, eps=norm_eps, bias=bias and norm == "layernorm", sequence_parallel=sequence_parallel,
+                       process_group=self.process_group, device=device, dtype=dtype)
+        layer_kw = dict(bias=bias, sequence_parallel=sequence_parallel, process_group=self.process_group,
+                        init_method=init_method, out_init_method=out_init_method, device=device, dtype=dtype)
+        self.attn_norm = ParallelNorm(hidden, **norm_kw)
+        self.attn = ParallelAttention(hidden, n_head, n_kv_head, position=position, rope_theta=rope_theta, **layer_kw)
+        self.mlp_norm = ParallelNorm(hidden, **norm_kw)
+        self.mlp = ParallelMLP(hidden, ffn_hidden, mlp=mlp, **layer_kw)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rng_tracker.dropout(x, self.dropout, sharded=self.sequence_parallel, training=self.training)
+
+    def _run_mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint == "mlp" and torch.is_grad_enabled():
+            return torch_checkpoint(self.mlp, h, use_reentrant=False)
+        return self.mlp(h)
+
+    def _forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.attn_norm(x), x
+        else:
+            h, residual = self.attn_norm(x, residual=residual)
+        a = self._dropout(self.attn(h))
+        h, residual = self.mlp_norm(a, residual=residual)
+        return self._dropout(self._run_mlp(h)), residual
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.checkpoint == "full" and torch.is_grad_enabled():
+            return torch_checkpoint(self._forward, x, residual, use_reentrant=False,
+                                    context_fn=self.rng_tracker.checkpoint_context_fns)
+        return self._forward(x, residual)

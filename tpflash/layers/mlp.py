@@ -1,0 +1,63 @@
+"""Tensor-parallel feed-forward block: column-parallel up (and gate) projection, row-parallel down."""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel.state import group_size, resolve_tp_group
+from .attention import column_input
+from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear
+
+# Elementwise activations of the non-gated MLP. "gelu" is the tanh approximation GPT-2 uses
+# (Hugging Face's "gelu_new"); "gelu_exact" is the erf form.
+ACTIVATIONS = {
+    "gelu": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_exact": F.gelu,
+    "relu": F.relu,
+}
+MLPS = tuple(ACTIVATIONS) + ("swiglu",)
+
+
+class ParallelMLP(nn.Module):
+    """down(act(up(x))), or with mlp="swiglu" down(silu(gate(x)) * up(x)) (Llama).
+
+    x: [seq, batch, hidden] replicated over tp, or with sequence_parallel [seq/tp, batch, hidden];
+    the output has x's layout. up/gate split ffn_hidden over tp (each rank computes
+    ffn_hidden/tp features), down sums them back (all-reduce, or reduce-scatter under SP).
+    Parameters: up_proj, gate_proj (swiglu only), down_proj, in nn.Linear layouts.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, mlp: str = "gelu", bias: bool = True,
+                 sequence_parallel: bool = False, process_group=None, *,
+                 init_method: Optional[InitMethod] = None, out_init_method: Optional[InitMethod] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        if mlp not in MLPS:
+            raise ValueError(f"mlp={mlp!r} must be one of {MLPS}")
+        self.process_group = resolve_tp_group(process_group)
+        tp = group_size(self.process_group)
+        if ffn_hidden % tp:
+            raise ValueError(f"ffn_hidden={ffn_hidden} is not divisible by tp={tp}")
+        self.mlp, self.sequence_parallel = mlp, sequence_parallel
+        kw = dict(process_group=self.process_group, init_method=init_method, device=device, dtype=dtype)
+        self.up_proj = ColumnParallelLinear(hidden, ffn_hidden, bias=bias, **kw)
+        self.gate_proj = ColumnParallelLinear(hidden, ffn_hidden, bias=bias, **kw) if mlp == "swiglu" else None
+        self.down_proj = RowParallelLinear(ffn_hidden, hidden, bias=bias, sequence_parallel=sequence_parallel,
+                                           process_group=self.process_group, init_method=out_init_method,
+                                           device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = column_input(x, self.process_group, self.sequence_parallel)  # [seq, b, hidden], one collective
+        up = F.linear(x, self.up_proj.weight, self.up_proj.bias)  # [seq, b, ffn/tp]
+        if self.gate_proj is None:
+            h = ACTIVATIONS[self.mlp](up)
+        else:
+            h = F.silu(F.linear(x, self.gate_proj.weight, self.gate_proj.bias)) * up
+        return self.down_proj(h)  # [seq(/tp), b, hidden]
+
+    def extra_repr(self) -> str:
+        return f"mlp={self.mlp}, tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}"

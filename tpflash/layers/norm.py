@@ -1,0 +1,58 @@
+"""LayerNorm / RMSNorm over the hidden dim, with an optional fused residual add, for tp and SP.
+
+Norm weights are replicated over tp. Without sequence parallelism every tp rank normalises the
+same (replicated) activations, so every rank computes the same weight gradient and nothing needs
+reducing. Under sequence parallelism each rank normalises its own tokens, so each holds a
+*partial* weight gradient: the weight goes through `copy_to_tp_region` (identity forward,
+all-reduce backward), which sums the partials, the same way RowParallelLinear treats its bias.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from .. import kernels
+from ..parallel import comm
+from ..parallel.state import group_size, resolve_tp_group
+
+NORMS = ("layernorm", "rmsnorm")
+
+
+class ParallelNorm(nn.Module):
+    """y = norm(x) * weight (+ bias) over the last dim; `kind` is "layernorm" or "rmsnorm".
+
+    forward(x) -> y, or forward(x, residual) -> (norm(x + residual), x + residual): the
+    pre-norm residual add fused into the norm kernel. x: [*, dim] (under SP: [seq/tp, batch, dim]).
+    State-dict keys equal nn.LayerNorm's ("weight", "bias") / an RMSNorm's ("weight").
+    Process group: `process_group`, else the default tp group, else none; only used under SP.
+    """
+
+    def __init__(self, dim: int, kind: str = "layernorm", eps: float = 1e-5, bias: bool = True,
+                 sequence_parallel: bool = False, process_group=None, device=None, dtype=None):
+        super().__init__()
+        if kind not in NORMS:
+            raise ValueError(f"norm={kind!r} must be one of {NORMS}")
+        if kind == "rmsnorm" and bias:
+            raise ValueError("norm='rmsnorm' has no bias; pass bias=False")
+        self.dim, self.kind, self.eps, self.sequence_parallel = dim, kind, eps, sequence_parallel
+        self.process_group = resolve_tp_group(process_group)
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
+
+    def _param(self, p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if p is None or not self.sequence_parallel:
+            return p
+        return comm.copy_to_tp_region(p, self.process_group)  # sums the per-token-shard gradients
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        weight = self._param(self.weight)
+        if self.kind == "layernorm":
+            return kernels.layer_norm(x, weight, self._param(self.bias), eps=self.eps, residual=residual)
+        return kernels.rms_norm(x, weight, eps=self.eps, residual=residual)
+
+    def extra_repr(self) -> str:
+        return (f"{self.dim}, kind={self.kind}, eps={self.eps}, bias={self.bias is not None}, "
+                f"sequence_parallel={self.sequence_parallel}, tp={group_size(self.process_group)}")
