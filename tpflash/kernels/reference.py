@@ -107,10 +107,14 @@ def cross_entropy_stats_reference(logits, target_col, real_cols: int, with_sum: 
     not in this shard (its logit is then 0). The sum is zeros unless `with_sum`.
     """
     x = logits[:, :real_cols].float()
-    row_max = x.max(dim=-1).values
-    sum_exp = (x - row_max[:, None]).exp().sum(-1)
+    if real_cols == 0:  # a shard of padding only
+        row_max = x.new_full((x.shape[0],), float("-inf"))
+        sum_exp = x.new_zeros(x.shape[0])
+    else:
+        row_max = x.max(dim=-1).values
+        sum_exp = (x - row_max[:, None]).exp().sum(-1)
     mine = target_col >= 0
-    picked = x.gather(1, target_col.clamp_min(0)[:, None].long()).squeeze(1).masked_fill(~mine, 0.0)
+    picked = logits.float().gather(1, target_col.clamp_min(0)[:, None].long()).squeeze(1).masked_fill(~mine, 0.0)
     total = x.sum(-1) if with_sum else torch.zeros_like(row_max)
     return row_max, sum_exp, picked, total
 
