@@ -1,0 +1,104 @@
+"""Cross-entropy of hidden @ weight.T without materialising the [tokens, vocab] logits.
+
+Tokens are processed in chunks: per chunk the logits shard [chunk, V/tp] is computed, its loss
+statistics combined over tp (tpflash.losses.cross_entropy.ShardLoss), and, for "mean"/"sum",
+the gradient is formed right away in the chunk's logits buffer and folded into d hidden and
+d weight (3 GEMMs per chunk, as the unfused forward + backward) so the backward only scales
+them. For "none" the per-token upstream gradient is unknown in the forward, so the backward
+recomputes each chunk's logits (one extra GEMM).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..parallel import comm
+from ..parallel.state import group_size, resolve_tp_group
+from .cross_entropy import ShardLoss, check_loss_args, check_vocab, reduce_loss
+
+
+def _chunks(n: int, size: int):
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, group, ignore_index, reduction, chunk_size, vocab_size,
+                label_smoothing, z_loss, needs_grad):
+        h2, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)  # [N, H], [N]
+        loss_args = (group, ignore_index, label_smoothing, z_loss, vocab_size)
+        losses = torch.empty(t.shape[0], device=hidden.device, dtype=torch.float32)
+        precompute = needs_grad and reduction != "none"
+        if precompute:
+            count = (t != ignore_index).sum().clamp_min(1) if reduction == "mean" else None
+            grad_h, grad_w = torch.empty_like(h2), torch.zeros_like(weight)
+        for rows in _chunks(t.shape[0], chunk_size):
+            logits = h2[rows] @ weight.t()  # [chunk, V/tp]
+            shard = ShardLoss(logits, t[rows], *loss_args)
+            losses[rows] = shard.loss
+            if precompute:
+                row_scale = torch.ones_like(shard.loss) if count is None else torch.ones_like(shard.loss) / count
+                g = shard.logits_grad(logits, row_scale, out=logits)  # the logits buffer becomes the gradient
+                torch.matmul(g, weight, out=grad_h[rows])
+                grad_w.addmm_(g.t(), h2[rows])
+        ctx.args = (loss_args, chunk_size, reduction, precompute, hidden.shape)
+        if precompute:
+            ctx.save_for_backward(grad_h, grad_w)
+        elif needs_grad:
+            ctx.save_for_backward(h2, weight, t)
+        return reduce_loss(losses, target, ignore_index, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        loss_args, chunk_size, reduction, precompute, shape = ctx.args
+        if precompute:
+            grad_h, grad_w = ctx.saved_tensors
+            scale = grad_out.to(grad_h.dtype)
+            return (grad_h * scale).reshape(shape), grad_w * scale, *([None] * 9)
+        h2, weight, t = ctx.saved_tensors
+        grad_out = grad_out.reshape(-1).float()
+        grad_h, grad_w = torch.empty_like(h2), torch.zeros_like(weight)
+        for rows in _chunks(t.shape[0], chunk_size):
+            logits = h2[rows] @ weight.t()
+            shard = ShardLoss(logits, t[rows], *loss_args)
+            g = shard.logits_grad(logits, grad_out[rows], out=logits)
+            torch.matmul(g, weight, out=grad_h[rows])
+            grad_w.addmm_(g.t(), h2[rows])
+        return grad_h.reshape(shape), grad_w, *([None] * 9)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
+                               process_group=None, ignore_index: int = -100, reduction: str = "mean",
+                               chunk_size: int = 2048, vocab_size: Optional[int] = None, *,
+                               label_smoothing: float = 0.0, z_loss: float = 0.0,
+                               sequence_parallel: bool = False, seq_dim: int = 0) -> torch.Tensor:
+    """F.cross_entropy(hidden @ W.T, target) where W is vocab-sharded over tp, chunked over tokens.
+
+    hidden [*, H], replicated over tp (with sequence_parallel: this rank's sequence shard, gathered
+    along `seq_dim` here); weight_shard [V'/tp, H]: rank r holds rows [r*V'/tp, (r+1)*V'/tp) of the
+    vocabulary padded to V' (VocabParallelEmbedding's layout; vocab_size = the real V, padding rows
+    never count). target [*] (the full sequence) with global ids. Peak extra memory is one
+    [chunk_size, V'/tp] logits buffer plus d weight, instead of [tokens, V'/tp] logits and their
+    fp32 copies. label_smoothing / z_loss / reduction as in vocab_parallel_cross_entropy.
+    d hidden is summed over tp (replicated input) or reduce-scattered (sequence_parallel).
+    Process group: `process_group`, else the default tp group, else none (tp=1).
+    """
+    check_loss_args(reduction, label_smoothing, z_loss)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    group = resolve_tp_group(process_group)
+    tp = group_size(group)
+    if weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight_shard shape {tuple(weight_shard.shape)} must be [V/tp, hidden={hidden.shape[-1]}]")
+    if sequence_parallel:
+        hidden = comm.all_gather_along_seq(hidden, group, seq_dim)
+    else:
+        hidden = comm.copy_to_tp_region(hidden, group)
+    if hidden.shape[:-1] != target.shape:
+        raise ValueError(f"hidden shape {tuple(hidden.shape)} (after any sequence gather) does not match target "
+                         f"shape {tuple(target.shape)} (expected hidden [*, H] and target [*])")
+    check_vocab(vocab_size, weight_shard.shape[0], tp, target, ignore_index)
+    return _FusedLinearCrossEntropy.apply(hidden, weight_shard, target, group, ignore_index, reduction, chunk_size,
+                                          vocab_size, label_smoothing, z_loss,
+                                          torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad))
