@@ -17,10 +17,18 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-# GPTConfig's fields (tpflash.models contract); `preset` picks GPTConfig.preset(name) first.
-MODEL_KEYS = ("preset", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden", "mlp",
-              "norm", "position", "tie_embeddings", "bias", "dropout", "norm_eps", "rope_theta", "sequence_parallel",
-              "activation_checkpointing", "fused_loss")
+def _model_keys() -> tuple:
+    """"preset" plus GPTConfig's fields (a fixed list when tpflash.models cannot be imported)."""
+    try:
+        from ..models.config import GPTConfig
+        return ("preset",) + tuple(f.name for f in dataclasses.fields(GPTConfig))
+    except ImportError:
+        return ("preset", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden",
+                "mlp", "norm", "position", "tie_embeddings", "bias", "dropout", "norm_eps", "rope_theta",
+                "sequence_parallel", "activation_checkpointing", "fused_loss", "init_std", "seed")
+
+
+MODEL_KEYS = _model_keys()  # `preset` picks GPTConfig.preset(name); the other keys replace its fields
 
 
 @dataclass
@@ -85,12 +93,14 @@ class LogSection:
     progress: str = "auto"  # auto | bar | lines | none
     tensorboard: str = "auto"
     peak_flops: float = 0.0  # per device; 0: 989e12 on CUDA (H100 bf16 dense), none on CPU
+    sample_tokens: int = 0  # after training, generate this many tokens from sample_prompt
+    sample_prompt: str = "def "
 
 
 @dataclass
 class TrainConfig:
     """Everything `python -m tpflash.train` needs. dtype: "auto" (bf16 autocast on CUDA, fp32 on
-    CPU), "bf16", "fp16" or "fp32". fsdp: "auto" (FSDP over dp when dp > 1), "on", "off"."""
+    CPU), "bf16" or "fp32". fsdp: "auto" (FSDP over dp when dp > 1), "on", "off"."""
 
     tp: int = 1
     dp: int = -1
@@ -108,7 +118,7 @@ class TrainConfig:
 
 
 SECTIONS = {f.name: f for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory)}
-_CHOICES = {"dtype": ("auto", "bf16", "fp16", "fp32"), "fsdp": ("auto", "on", "off"),
+_CHOICES = {"dtype": ("auto", "bf16", "fp32"), "fsdp": ("auto", "on", "off"),
             "data.format": ("auto", "text", "uint16", "uint32"), "train.fused_adam": ("auto", "on", "off"),
             "log.progress": ("auto", "bar", "lines", "none"), "log.tensorboard": ("auto", "on", "off")}
 

@@ -97,7 +97,8 @@ def text_files(paths: Sequence[str], include: Sequence[str], exclude: Sequence[s
     return sorted(found)
 
 
-def _token_format(cfg: DataConfig) -> str:
+def token_format(cfg: DataConfig) -> str:
+    """"text", "uint16" or "uint32": data.format, or guessed from a single file's extension."""
     if cfg.format != "auto":
         return cfg.format
     if len(cfg.path) == 1:
@@ -113,7 +114,7 @@ def load_tokens(cfg: DataConfig, tokenizer) -> np.ndarray:
     """The whole token stream as a 1-D array (a read-only memmap for token files)."""
     if not cfg.path:
         raise ValueError("data.path is empty: give text files/directories or a token file")
-    fmt = _token_format(cfg)
+    fmt = token_format(cfg)
     if fmt in ("uint16", "uint32"):
         if len(cfg.path) != 1 or not os.path.isfile(cfg.path[0]):
             raise ValueError(f"data.format={fmt} needs exactly one existing token file, got data.path={cfg.path}")

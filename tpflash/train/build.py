@@ -1,0 +1,96 @@
+"""Turning a TrainConfig into the pieces of a run: batch plan, model config, optimizer, autocast.
+
+Everything here that can reject a config does so before any process group exists, so a bad
+value raises a ValueError on every rank instead of hanging a collective.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+
+from .config import TrainConfig, TrainSection
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's `batch_size` global sequences are split: over dp ranks, then into
+    `grad_accum` micro-batches of `micro` sequences each."""
+
+    batch_size: int
+    micro: int
+    grad_accum: int
+    dp: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro * self.grad_accum
+
+
+def plan_batches(cfg: TrainSection, dp: int) -> BatchPlan:
+    """Resolve micro_batch_size/grad_accum for `dp` ranks; ValueError naming the numbers if they do not fit."""
+    b = cfg.batch_size
+    if b < 1 or b % dp != 0:
+        raise ValueError(f"train.batch_size={b} must be a positive multiple of dp={dp}")
+    per_rank = b // dp
+    micro = cfg.micro_batch_size or (per_rank // cfg.grad_accum if cfg.grad_accum else per_rank)
+    if micro < 1 or per_rank % micro != 0:
+        raise ValueError(f"train.micro_batch_size={micro} does not divide the per-rank batch "
+                         f"batch_size/dp = {b}/{dp} = {per_rank}")
+    accum = per_rank // micro
+    if cfg.grad_accum and cfg.grad_accum != accum:
+        raise ValueError(f"train.grad_accum={cfg.grad_accum} but batch_size={b} / (dp={dp} * "
+                         f"micro_batch_size={micro}) = {accum}; set one of them to 0 to derive it")
+    return BatchPlan(batch_size=b, micro=micro, grad_accum=accum, dp=dp)
+
+
+def resolve_model_config(fields: Dict[str, Any], vocab_size: Optional[int], config_cls) -> Any:
+    """The model config: `config_cls.preset(preset)` (or defaults) with the given fields replaced.
+
+    vocab_size: the tokenizer's vocabulary, used unless the config names one explicitly.
+    """
+    fields = dict(fields)
+    preset = fields.pop("preset", None)
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown model config keys {unknown}; valid: {sorted(known)}")
+    if vocab_size is not None and "vocab_size" not in fields:
+        fields["vocab_size"] = vocab_size
+    base = config_cls.preset(preset) if preset else None
+    return dataclasses.replace(base, **fields) if base is not None else config_cls(**fields)
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast compute dtype: bf16 on CUDA under dtype=auto/bf16, none (fp32) on CPU or dtype=fp32."""
+    if cfg.dtype == "fp32" or (cfg.dtype == "auto" and device.type != "cuda"):
+        return None
+    if cfg.dtype == "bf16" and device.type != "cuda":
+        raise ValueError("dtype=bf16 needs CUDA: CPU runs train in fp32 (dtype=auto or fp32)")
+    return torch.bfloat16
+
+
+def autocast(device: torch.device, dtype: Optional[torch.dtype]):
+    """torch.autocast for `dtype`, or a no-op context for fp32."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_optimizer(model: nn.Module, cfg: TrainSection, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (dim >= 2) only; fused kernels on CUDA (train.fused_adam)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    fused = cfg.fused_adam == "on" or (cfg.fused_adam == "auto" and device.type == "cuda")
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"fused": True} if fused else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+
+
+def use_fsdp(cfg: TrainConfig, dp: int) -> bool:
+    """FSDP over dp: fsdp=on, or fsdp=auto with dp > 1."""
+    return cfg.fsdp == "on" or (cfg.fsdp == "auto" and dp > 1)

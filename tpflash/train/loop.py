@@ -1,0 +1,233 @@
+"""The training loop: build a run from a TrainConfig, resume it, train, evaluate, checkpoint.
+
+One `Trainer` per process (torchrun starts dp*tp of them). Every rank builds the same model
+from the same seed (tp layers take their slice of one initialisation), reads its dp slice of
+each global batch (tpflash.train.sampler), and steps its own shards of the optimizer state.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import parallel
+from . import build
+from .config import TrainConfig, to_yaml
+from .data import load_tokens, make_tokenizer, token_format, split_train_eval, unigram_entropy
+from .faults import Fault, StopSignal
+from .gradients import all_reduce_grads_over_dp, clip_grads_, global_grad_norm, tp_sharded_param_ids
+from .metrics import MetricsWriter, Throughput, memory_gb, peak_flops
+from .sampler import GlobalSampler
+from .schedule import WarmupCosine
+
+
+class Trainer:
+    """A training run. `config_cls`/`model_cls` default to tpflash.models.GPTConfig/GPT (tests pass
+    stand-ins with the same interface: model(idx, targets) -> loss, process_group=, device=)."""
+
+    def __init__(self, cfg: TrainConfig, config_cls=None, model_cls=None):
+        self.cfg = cfg
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dp = parallel.check_layout(world, cfg.tp, cfg.dp)
+        self.plan = build.plan_batches(cfg.train, dp)
+        if config_cls is None or model_cls is None:
+            from ..models import GPT, GPTConfig
+            config_cls, model_cls = config_cls or GPTConfig, model_cls or GPT
+        is_text = token_format(cfg.data) == "text"
+        self._tokenizer = make_tokenizer(cfg.data.tokenizer) if is_text else None  # token files: only to sample
+        tokens = load_tokens(cfg.data, self._tokenizer)
+        self.model_config = build.resolve_model_config(
+            cfg.model, self._tokenizer.vocab_size if is_text else None, config_cls)
+        if hasattr(self.model_config, "check_tp"):
+            self.model_config.check_tp(cfg.tp)
+        self.seq_len = cfg.data.seq_len or self.model_config.block_size
+        if self.seq_len > self.model_config.block_size:
+            raise ValueError(f"data.seq_len={self.seq_len} exceeds model.block_size={self.model_config.block_size}")
+        self.train_data, self.eval_data = split_train_eval(tokens, self.seq_len, cfg.data.eval_fraction)
+        self.entropy = unigram_entropy(self.train_data.tokens, self.model_config.vocab_size)
+
+        self.ps = parallel.init(tp=cfg.tp, dp=dp)
+        self.device = self.ps.device
+        self.is_main = dist.get_rank() == 0
+        self.amp_dtype = build.autocast_dtype(cfg, self.device)
+        torch.manual_seed(cfg.seed)  # identical on every rank: tp shards are slices of one init
+        self.model = model_cls(self.model_config, process_group=None, device=self.device)
+        self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
+        self.fsdp = build.use_fsdp(cfg, dp)
+        if self.fsdp:
+            parallel.apply_fsdp(self.model, self.ps)
+            self.sharded_ids = tp_sharded_param_ids(self.model)
+        self.optimizer = build.make_optimizer(self.model, cfg.train, self.device)
+        t = cfg.train
+        decay = t.decay_steps or max(0, t.steps - t.warmup_steps)
+        self.schedule = WarmupCosine(self.optimizer, t.lr, t.min_lr, t.warmup_steps, decay)
+        self.sampler = GlobalSampler(len(self.train_data), cfg.seed)
+        self.step, self._saved_step = 0, -1
+        self.fault = Fault(dist.get_rank(), dist.get_world_size())
+        self.resumed_from = self._resume()
+
+    # ---------------------------------------------------------------- checkpoints
+    def _resume(self) -> Optional[Dict]:
+        ck = self.cfg.checkpoint
+        if not (ck.dir and ck.resume):
+            return None
+        from .. import checkpoint
+        if checkpoint.latest(ck.dir) is None:
+            return None
+        info = checkpoint.load(ck.dir, self.model, self.optimizer, scheduler=self.schedule, data=self.sampler)
+        self.step = self._saved_step = int(info["step"])
+        if self.schedule.step_count != self.step:
+            raise ValueError(f"checkpoint step {self.step} disagrees with its scheduler step {self.schedule.step_count}")
+        return info
+
+    def save(self) -> None:
+        """Write a checkpoint of the current step (collective: every rank calls it)."""
+        ck = self.cfg.checkpoint
+        if not ck.dir or self._saved_step == self.step:
+            return
+        from .. import checkpoint
+        with self.fault.around_save(self.step, ck.dir):
+            checkpoint.save(ck.dir, self.model, self.optimizer, step=self.step, keep=ck.keep,
+                            scheduler=self.schedule, data=self.sampler,
+                            saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
+        self._saved_step = self.step
+        if self.is_main:
+            with open(os.path.join(ck.dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(self.cfg))
+
+    # ---------------------------------------------------------------- steps
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
+    def train_step(self) -> Dict[str, torch.Tensor]:
+        """One optimizer step over the next global batch; returns this rank's loss and the global grad norm."""
+        plan, ps = self.plan, self.ps
+        self.model.train()
+        indices = self.sampler.rank_slice(plan.batch_size, ps.dp_rank, ps.dp_size)  # [per_rank]
+        loss_sum = torch.zeros((), device=self.device)
+        for i in range(plan.grad_accum):
+            x, y = self.train_data.batch(indices[i * plan.micro:(i + 1) * plan.micro])  # [micro, seq] each
+            if self.fsdp and hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(i == plan.grad_accum - 1)
+            with build.autocast(self.device, self.amp_dtype):
+                loss = self.model(self._to_device(x), self._to_device(y))
+            (loss / plan.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        self.sampler.advance(plan.batch_size)
+        if not self.fsdp:
+            all_reduce_grads_over_dp(self.model, ps.dp_group)
+        norm = global_grad_norm(self.model, ps.tp_group, ps.dp_group, self.fsdp, self.sharded_ids)
+        clip_grads_(self.model.parameters(), norm, self.cfg.train.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        self.step += 1
+        return {"loss": loss_sum / plan.grad_accum, "grad_norm": norm}
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        value = value.detach().float().clone()
+        if self.ps.dp_size > 1:
+            dist.all_reduce(value, group=self.ps.dp_group)
+            value /= self.ps.dp_size
+        return value.item()
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        """Mean loss over `train.eval_batches` global batches of the held-out split (in order)."""
+        if self.eval_data is None or len(self.eval_data) == 0 or self.cfg.train.eval_batches < 1:
+            return None
+        plan, ps = self.plan, self.ps
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        n = len(self.eval_data)
+        for k in range(self.cfg.train.eval_batches):
+            start = k * plan.batch_size + ps.dp_rank * plan.per_rank
+            indices = [(start + j) % n for j in range(plan.per_rank)]
+            for i in range(plan.grad_accum):
+                x, y = self.eval_data.batch(indices[i * plan.micro:(i + 1) * plan.micro])
+                with build.autocast(self.device, self.amp_dtype):
+                    total += self.model(self._to_device(x), self._to_device(y)).float()
+        self.model.train()
+        return self._dp_mean(total / (self.cfg.train.eval_batches * plan.grad_accum))
+
+    # ---------------------------------------------------------------- the run
+    def describe(self, out: MetricsWriter) -> None:
+        ps, plan = self.ps, self.plan
+        params = self.model.num_params() if hasattr(self.model, "num_params") else \
+            sum(p.numel() for p in self.model.parameters())
+        out.note(f"layout: tp={ps.tp_size} dp={ps.dp_size} (world {ps.world_size}, {self.device.type}), "
+                 f"fsdp={'on' if self.fsdp else 'off'}, compute dtype {self.amp_dtype or torch.float32}")
+        out.note(f"model: {params / 1e6:.2f}M parameters, seq {self.seq_len}; batch {plan.batch_size} = dp {plan.dp}"
+                 f" x accum {plan.grad_accum} x micro {plan.micro}; {len(self.train_data)} train / "
+                 f"{len(self.eval_data) if self.eval_data else 0} eval sequences")
+        out.note(f"unigram entropy of the training tokens: {self.entropy:.3f} nats/token "
+                 "(a model that ignores context cannot do better)")
+        if self.resumed_from is not None:
+            info = self.resumed_from
+            saved = f" saved at tp={info.get('saved_tp', '?')} dp={info.get('saved_dp', '?')}" if info else ""
+            out.note(f"resumed from {self.cfg.checkpoint.dir} at step {self.step}{saved}; continuing at "
+                     f"tp={ps.tp_size} dp={ps.dp_size}")
+
+    def run(self) -> Dict[str, float]:
+        """Train to `train.steps`, logging, evaluating and checkpointing; returns the last metrics."""
+        cfg, t = self.cfg, self.cfg.train
+        out = MetricsWriter(cfg.log, t.steps, self.step, enabled=self.is_main)
+        self.describe(out)
+        flops = self.model.flops_per_token(self.seq_len) if hasattr(self.model, "flops_per_token") else 0.0
+        meter = Throughput(flops, peak_flops(cfg.log, self.device), self.ps.world_size)
+        stop = StopSignal(self.device)
+        last: Dict[str, float] = {}
+        loss_acc, steps_acc = torch.zeros((), device=self.device), 0
+        try:
+            while self.step < t.steps:
+                result = self.train_step()
+                meter.add(self.plan.batch_size * self.seq_len)
+                loss_acc += result["loss"]
+                steps_acc += 1
+                self.fault.after_step(self.step)
+                if self.step % max(cfg.log.interval, 1) == 0 or self.step == t.steps:
+                    last = {"loss": self._dp_mean(loss_acc / steps_acc), "lr": self.optimizer.param_groups[0]["lr"],
+                            "grad_norm": result["grad_norm"].item(), "epoch": self.sampler.epoch,
+                            **meter.read(), **memory_gb(self.device)}
+                    loss_acc, steps_acc = torch.zeros((), device=self.device), 0
+                    out.log(self.step, last)
+                if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
+                    out.log(self.step, {"eval_loss": self.evaluate()}, kind="eval")
+                out.advance(self.step, {"loss": last.get("loss", float("nan"))})
+                interval = cfg.checkpoint.interval
+                if stop.agreed():
+                    out.note(f"SIGTERM: saving step {self.step} and exiting")
+                    self.save()
+                    return last
+                if interval and self.step % interval == 0 and self.step < t.steps:
+                    self.save()
+            eval_loss = self.evaluate()
+            if eval_loss is not None:
+                last["eval_loss"] = eval_loss
+                out.log(self.step, {"eval_loss": eval_loss}, kind="eval")
+            self.save()
+            return last
+        finally:
+            stop.restore()
+            out.close()
+
+    @property
+    def tokenizer(self):
+        """The data's tokenizer (for token files: data.tokenizer, loaded on first use)."""
+        if self._tokenizer is None:
+            self._tokenizer = make_tokenizer(self.cfg.data.tokenizer)
+        return self._tokenizer
+
+    def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
+        """Generate from `prompt` (collective over tp; same seed on every rank, so every rank agrees)."""
+        ids = np.asarray(self.tokenizer.encode(prompt), dtype=np.int64)
+        idx = torch.from_numpy(ids).unsqueeze(0).to(self.device)  # [1, prompt]
+        torch.manual_seed(self.cfg.seed)
+        self.model.eval()
+        with torch.no_grad(), build.autocast(self.device, self.amp_dtype):
+            out = self.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+        return self.tokenizer.decode(out[0].tolist())
