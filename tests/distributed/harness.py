@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import traceback
 from typing import Callable, Dict, List
 
@@ -33,7 +35,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, store_file: str, backend: str, tasks, results) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -45,7 +47,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
+    # A file store, not a TCP port: pools start side by side and a probed "free" port can be taken
+    # between the probe and the bind. MASTER_PORT stays set for code that reads it.
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     while True:
         task = tasks.get()
@@ -71,7 +75,9 @@ class RankPool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.backend, self.tasks[r],
+        self._store_dir = tempfile.mkdtemp(prefix="tpflash-pool-")
+        store_file = os.path.join(self._store_dir, "store")
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, store_file, self.backend, self.tasks[r],
                                                         self.results), daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
@@ -113,6 +119,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
 class PoolCache:
