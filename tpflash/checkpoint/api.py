@@ -1,0 +1,208 @@
+"""`save`, `load` and `latest`: sharded checkpoints over torch.distributed.checkpoint (DCP).
+
+The directory is a standard DCP checkpoint plus `manifest.json` (checksums) and, when the
+model has a `.config`, `model_config.json`. Keys: "model.<state-dict key>" (unsharded shapes,
+see layout.py), "optim.*" (optim.py), "meta" and "rng.rank_<r>" (extras.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..parallel.state import get_default_state
+from . import directory, integrity, optim
+from .blob import from_blob, to_blob
+from .directory import latest
+from .extras import (CONFIG_FILE, META_KEY, RNG_PREFIX, meta_for_save, model_config, restore_extras, rng_state,
+                     set_rng_state, split_meta_keys)
+from .layout import MODEL_PREFIX, MeshCache, model_slots
+from .staging import PendingSave, async_group, stage_to_host
+
+__all__ = ["save", "load", "latest", "wait_pending"]
+
+_pending: Dict[str, PendingSave] = {}  # background saves per root (abspath), so save/load can wait on them
+
+
+def wait_pending(root: Optional[str] = None) -> None:
+    """Block until the background save to `root` (every root if None) is committed; re-raise its error."""
+    keys = list(_pending) if root is None else [os.path.abspath(os.fspath(root))]
+    for key in keys:
+        pending = _pending.pop(key, None)
+        if pending is not None:
+            pending.wait()
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _rank_world(group=None):
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_gather(obj, group=None) -> list:
+    if _rank_world(group)[1] == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _on_rank0(fn, group=None):
+    """Run fn on rank 0 only; every rank raises if it failed (one broadcast, so none hangs)."""
+    rank, world = _rank_world(group)
+    error, message = None, None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error, message = e, f"{type(e).__name__}: {e}"
+    if world > 1:
+        box = [message]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        message = box[0]
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"checkpoint save failed on rank 0: {message}")
+
+
+def _layout() -> Dict[str, int]:
+    ps = get_default_state()
+    world = _rank_world()[1]
+    return {"world": world, "dp": ps.dp_size if ps else world, "tp": ps.tp_size if ps else 1}
+
+
+def _state_for_save(model, optimizer, step: int, extras: dict) -> dict:
+    """The flat DCP state dict (collective under FSDP and for tp meshes: call on every rank)."""
+    slots = model_slots(model, MeshCache())
+    state = {s.key: s.for_save() for s in slots}
+    if optimizer is not None:
+        state.update(optim.state_for_save(model, optimizer, slots))
+    rank = _rank_world()[0]
+    state[f"{RNG_PREFIX}{rank}"] = to_blob(rng_state())
+    if rank == 0:
+        state[META_KEY] = to_blob(meta_for_save(step, extras, model, _layout()))
+    return state
+
+
+def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Optional[dict], group) -> str:
+    """Write `state` to root/.tmp-step_N, checksum it, rename it to root/step_N, update `latest`."""
+    rank = _rank_world(group)[0]
+    tmp = directory.tmp_dir(root, step)
+    _on_rank0(lambda: directory.prepare_tmp(root, step), group)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group, no_dist=_no_dist())
+    gathered = _all_gather(integrity.hash_files(tmp, integrity.own_files(tmp, rank)), group)
+
+    def finish():
+        if config is not None:
+            with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+                json.dump(config, f, indent=1)
+        integrity.write_manifest(tmp, integrity.complete_manifest(tmp, gathered), {"step": step})
+        directory.commit(root, tmp, step, keep)
+
+    _on_rank0(finish, group)
+    return directory.step_dir(root, step)
+
+
+def _agreed_step(root: str, step: Optional[int]) -> int:
+    if step is not None:
+        return step
+    box = [directory.next_step(root) if _rank_world()[0] == 0 else None]
+    if _rank_world()[1] > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,
+         keep: int = 3, async_save: bool = False, **extra) -> str:
+    """Save model, optimizer, RNG states and `extra` as root/step_<step>; return that path. Call on every rank.
+
+    `step` None means one past the newest checkpoint. The save is atomic (see directory.py) and
+    keeps the newest `keep` checkpoints (0: all). With `async_save` tensors are copied to host
+    memory, then writing and committing continue in a background thread (on a dedicated gloo
+    group) and the returned path (a str) has `.wait()`; the next save or load waits for it.
+    """
+    root = os.fspath(root)
+    if step is not None and (not isinstance(step, int) or step < 0):
+        raise ValueError(f"step={step!r} must be an integer >= 0 (or None for the next one)")
+    if not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"keep={keep!r} must be an integer >= 0 (0 keeps every checkpoint)")
+    wait_pending(root)
+    step = _agreed_step(root, step)
+    state = _state_for_save(model, optimizer, step, extra)
+    config = model_config(model)
+    if not async_save:
+        return _write_and_commit(state, root, step, keep, config, None)
+    group, staged = async_group(), stage_to_host(state)
+    pending = PendingSave(directory.step_dir(root, step))
+    pending.start(lambda: _write_and_commit(staged, root, step, keep, config, group))
+    _pending[os.path.abspath(root)] = pending
+    return pending
+
+
+def _check_model_keys(slots, metadata: Metadata, path: str) -> None:
+    """ValueError naming the first tensor whose shape differs, then missing/unexpected keys (no I/O)."""
+    saved = metadata.state_dict_metadata
+    for slot in slots:
+        meta = saved.get(slot.key)
+        if meta is not None and (not isinstance(meta, TensorStorageMetadata) or meta.size != slot.global_shape):
+            found = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "a non-tensor"
+            raise ValueError(f"shape mismatch for {slot.key[len(MODEL_PREFIX):]!r}: checkpoint {path} has "
+                             f"{found}, the model has {tuple(slot.global_shape)}")
+    keys = {s.key for s in slots}
+    missing = [k[len(MODEL_PREFIX):] for k in keys - set(saved)]
+    unexpected = [k[len(MODEL_PREFIX):] for k in saved if k.startswith(MODEL_PREFIX) and k not in keys]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+
+
+def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **extra) -> dict:
+    """Load a checkpoint (a step directory, or root's latest) into `model` (and `optimizer`) at any (dp, tp).
+
+    Verifies every file's checksum first (CheckpointCorruptError on every rank, naming the
+    file). Extras passed by name are restored in place; returns {"step": ..., other extras}.
+    RNG states are restored when the world size equals the saving one. Call on every rank.
+    """
+    root = os.fspath(root)
+    wait_pending(root)
+    path = directory.resolve(root)
+    rank, world = _rank_world()
+    integrity.verify(path, rank, world, _all_gather if world > 1 else None)
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    slots = model_slots(model, MeshCache())
+    _check_model_keys(slots, metadata, path)
+    buffers = {s.key: s.load_buffer() for s in slots}
+    targets: Dict[str, object] = {s.key: s.as_global(buffers[s.key]) for s in slots}
+    pending = None
+    if optimizer is not None:
+        if optim.GROUPS_KEY not in metadata.state_dict_metadata:
+            raise ValueError(f"checkpoint {path} holds no optimizer state (saved without optimizer=)")
+        opt_targets, pending = optim.load_targets(model, optimizer, slots, metadata)
+        targets.update(opt_targets)
+    has_meta, rng_keys = split_meta_keys(metadata.state_dict_metadata)
+    if not has_meta:
+        raise integrity.CheckpointCorruptError(f"checkpoint {path} is corrupt: it has no '{META_KEY}' entry")
+    targets[META_KEY] = None
+    if rank in rng_keys:
+        targets[rng_keys[rank]] = None
+    dcp.load(targets, storage_reader=reader, no_dist=_no_dist())
+    for slot in slots:
+        slot.write_back(buffers[slot.key])
+    if optimizer is not None:
+        optim.apply_loaded(model, optimizer, targets, pending)
+    meta = from_blob(targets[META_KEY])
+    if meta["layout"]["world"] == world and rank in rng_keys:
+        set_rng_state(from_blob(targets[rng_keys[rank]]))
+    return restore_extras(meta, extra)

@@ -1,0 +1,19 @@
+"""Opaque values in a checkpoint: torch.save'd bytes, so DCP stores each as one item however it is nested.
+
+Only torch and builtins are pickled, so `dcp_to_torch_save` output is readable without tpflash.
+"""
+from __future__ import annotations
+
+import io
+
+import torch
+
+
+def to_blob(value: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def from_blob(blob: bytes) -> object:
+    return torch.load(io.BytesIO(blob), weights_only=False)

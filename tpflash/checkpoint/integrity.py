@@ -1,0 +1,108 @@
+"""Per-file checksums: `manifest.json` lists every file of a checkpoint with its size and sha256.
+
+Save: each rank hashes the files it wrote (`__<rank>_*.distcp`), rank 0 gathers those, hashes
+the rest (DCP's `.metadata`, ...), checks that DCP's metadata only points into listed files,
+and writes the manifest last. Load: every rank checks that each listed file exists with its
+size and hashes its share of the files (file i on rank i % world); one all_gather of the
+problems found makes every rank raise the same `CheckpointCorruptError`, naming the file,
+instead of some ranks hanging in a collective the others never reach.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable, Dict, List, Optional
+
+from .directory import MANIFEST
+
+FileHashes = Dict[str, Dict[str, object]]  # name -> {"bytes": int, "sha256": str}
+_CHUNK = 1 << 22
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint file is missing, truncated or fails its checksum."""
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_files(directory: str, names: List[str]) -> FileHashes:
+    return {n: {"bytes": os.path.getsize(os.path.join(directory, n)), "sha256": file_sha256(os.path.join(directory, n))}
+            for n in names}
+
+
+def own_files(directory: str, rank: int) -> List[str]:
+    """The shard files DCP's FileSystemWriter wrote for `rank`."""
+    prefix = f"__{rank}_"
+    return sorted(n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".distcp"))
+
+
+def complete_manifest(directory: str, gathered: List[FileHashes]) -> FileHashes:
+    """Merge every rank's hashes, hash the files nobody claimed, and check DCP's metadata references."""
+    entries: FileHashes = {}
+    for part in gathered:
+        entries.update(part)
+    rest = [n for n in sorted(os.listdir(directory)) if n not in entries and n != MANIFEST]
+    entries.update(hash_files(directory, rest))
+    from torch.distributed.checkpoint import FileSystemReader
+    storage = FileSystemReader(directory).read_metadata().storage_data or {}
+    for index, info in storage.items():
+        entry = entries.get(info.relative_path)
+        if entry is None or info.offset + info.length > entry["bytes"]:
+            raise CheckpointCorruptError(f"save of {directory} is incomplete: {info.relative_path} "
+                                         f"(holding {index.fqn}) is missing or too short")
+    return entries
+
+
+def write_manifest(directory: str, entries: FileHashes, info: Optional[dict] = None) -> None:
+    path = os.path.join(directory, MANIFEST)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"format": "tpflash-checkpoint-1", "files": entries, **(info or {})}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _problems(directory: str, rank: int, world: int, deep: bool) -> List[str]:
+    """What is wrong with the files this rank checks (sizes: all files; sha256: its share)."""
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return [f"{MANIFEST} is missing (the save never finished)"]
+    except (ValueError, KeyError) as e:
+        return [f"{MANIFEST} is unreadable ({e})"]
+    problems = []
+    for i, (name, entry) in enumerate(sorted(files.items())):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append(f"file {name} is missing")
+        elif os.path.getsize(path) != entry["bytes"]:
+            problems.append(f"file {name} has {os.path.getsize(path)} bytes, the manifest says {entry['bytes']}")
+        elif deep and i % world == rank and file_sha256(path) != entry["sha256"]:
+            problems.append(f"file {name} fails its sha256 checksum")
+    return problems
+
+
+def verify(directory: str, rank: int = 0, world: int = 1,
+           all_gather: Optional[Callable[[object], List[object]]] = None, deep: bool = True) -> None:
+    """Raise CheckpointCorruptError (the same on every rank) if any file of the checkpoint is damaged.
+
+    `all_gather(obj) -> [obj of every rank]` is the one collective (None: single process).
+    """
+    try:
+        mine = _problems(directory, rank, world, deep)
+    except OSError as e:
+        mine = [f"cannot be read ({e})"]
+    everyone = all_gather(mine) if all_gather is not None else [mine]
+    problems = sorted({p for part in everyone for p in part})
+    if problems:
+        raise CheckpointCorruptError(f"checkpoint {directory} is corrupt: {problems[0]}"
+                                     + (f" (and {len(problems) - 1} more problems: {problems[1:4]})"
+                                        if len(problems) > 1 else ""))

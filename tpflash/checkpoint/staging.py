@@ -1,0 +1,81 @@
+"""Async save: copy the state to host memory, then write and commit in a background thread.
+
+The background thread's collectives (DCP's planning, the checksum gather, the commit
+broadcast) run on a dedicated gloo group, so they never interleave with the training
+collectives that the main thread issues meanwhile on the default group.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+_groups: Dict[int, tuple] = {}  # id(default group) -> (default group, its gloo twin)
+
+
+def async_group() -> Optional[dist.ProcessGroup]:
+    """A gloo group over all ranks for background saves (made once per default group; collective)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.distributed_c10d._get_default_group()
+    cached = _groups.get(id(world))
+    if cached is None or cached[0] is not world:
+        cached = _groups[id(world)] = (world, dist.new_group(backend="gloo"))
+    return cached[1]
+
+
+def stage_to_host(state: dict) -> dict:
+    """A copy of `state` whose tensors live in host memory (DTensors keep their layout on a CPU mesh)."""
+    cpu_meshes: Dict[int, DeviceMesh] = {}
+
+    def cpu_mesh(mesh: DeviceMesh) -> DeviceMesh:
+        if mesh.device_type == "cpu":
+            return mesh
+        if id(mesh) not in cpu_meshes:
+            cpu_meshes[id(mesh)] = DeviceMesh.from_group(mesh.get_group(), "cpu")
+        return cpu_meshes[id(mesh)]
+
+    def stage(value):
+        if isinstance(value, DTensor):
+            local = value.to_local().to("cpu", copy=True)
+            return DTensor.from_local(local, cpu_mesh(value.device_mesh), value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())
+        if torch.is_tensor(value):
+            return value.detach().to("cpu", copy=True)
+        return value
+
+    return {key: stage(value) for key, value in state.items()}
+
+
+class PendingSave(str):
+    """The path of a checkpoint still being written; `wait()` blocks until it is committed (re-raising errors)."""
+
+    def __new__(cls, path: str):
+        obj = super().__new__(cls, path)
+        obj._thread, obj._error = None, None
+        return obj
+
+    def start(self, work: Callable[[], object]) -> None:
+        def run():
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - handed to wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"tpflash-save:{self}", daemon=False)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> str:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return str(self)
