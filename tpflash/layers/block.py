@@ -55,7 +55,7 @@ class ParallelTransformerBlock(nn.Module):
             raise ValueError(f"dropout={dropout} must be in [0, 1)")
         self.process_group = resolve_tp_group(process_group)
         self.sequence_parallel, self.dropout, self.checkpoint = sequence_parallel, dropout, checkpoint
-        self.rng_tracker = rng_tracker or RNGTracker(tp_rank=group_rank(self.process_group), device=device)
+        self.rng_tracker = rng_tracker or RNGTracker(tp_rank=group_rank(self.process_group))
         ffn_hidden = ffn_hidden or 4 * hidden
         norm_kw = dict(kind=norm, eps=norm_eps, bias=bias and norm == "layernorm", sequence_parallel=sequence_parallel,
                        process_group=self.process_group, device=device, dtype=dtype)

@@ -38,61 +38,74 @@ def _set_device_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def _resolve(device) -> torch.device:
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _seeded_state(device: torch.device, seed: int) -> torch.Tensor:
     """The default generator's state after manual_seed(seed), leaving the real default untouched."""
     saved = _get_device_state(device)
     if device.type == "cuda":
-        torch.cuda.manual_seed(seed)  # seeds the current device only
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)  # seeds the current device only
     else:
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed would reseed CUDA too
     state = _get_device_state(device)
     _set_device_state(device, saved)
     return state
 
 
 class RNGTracker:
-    """Named RNG streams for one (dp_rank, tp_rank) on one device; see the module docstring."""
+    """Named RNG streams for one (dp_rank, tp_rank); see the module docstring.
 
-    def __init__(self, seed: int = 0, tp_rank: int = 0, dp_rank: int = 0, device=None):
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+    States are kept per device and created on first use there (seeded from seed, dp_rank and, for
+    "sharded", tp_rank), so a model built on CPU and moved to CUDA keeps consistent streams.
+    """
+
+    def __init__(self, seed: int = 0, tp_rank: int = 0, dp_rank: int = 0):
         self.seed, self.tp_rank, self.dp_rank = seed, tp_rank, dp_rank
-        base = seed + _DP_STRIDE * dp_rank
-        self._states: Dict[str, torch.Tensor] = {
-            "replicated": _seeded_state(self.device, base),
-            "sharded": _seeded_state(self.device, base + _TP_OFFSET + tp_rank),
-        }
+        self._states: Dict[str, torch.Tensor] = {}  # "stream@device" -> generator state
+
+    def _seed(self, stream: str) -> int:
+        base = self.seed + _DP_STRIDE * self.dp_rank
+        return base + _TP_OFFSET + self.tp_rank if stream == "sharded" else base
 
     def get_states(self) -> Dict[str, torch.Tensor]:
-        """A copy of every stream's state (for checkpoints and recompute)."""
+        """A copy of every stream's state, keyed "stream@device" (for checkpoints and recompute)."""
         return {k: v.clone() for k, v in self._states.items()}
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
-        for name in states:
-            if name not in STREAMS:
-                raise ValueError(f"unknown RNG stream {name!r}; streams are {STREAMS}")
+        for key in states:
+            if key.split("@")[0] not in STREAMS:
+                raise ValueError(f"unknown RNG stream in key {key!r}; streams are {STREAMS}")
         self._states.update({k: v.clone() for k, v in states.items()})
 
     @contextlib.contextmanager
-    def fork(self, stream: str) -> Iterator[None]:
-        """Run the body with the device's default generator set to `stream`'s state."""
+    def fork(self, stream: str, device=None) -> Iterator[None]:
+        """Run the body with `device`'s default generator (CPU when None) set to `stream`'s state."""
         if stream not in STREAMS:
             raise ValueError(f"unknown RNG stream {stream!r}; streams are {STREAMS}")
-        outside = _get_device_state(self.device)
-        _set_device_state(self.device, self._states[stream])
+        device = _resolve(device)
+        key = f"{stream}@{device}"
+        if key not in self._states:
+            self._states[key] = _seeded_state(device, self._seed(stream))
+        outside = _get_device_state(device)
+        _set_device_state(device, self._states[key])
         try:
             yield
         finally:
-            self._states[stream] = _get_device_state(self.device)
-            _set_device_state(self.device, outside)
+            self._states[key] = _get_device_state(device)
+            _set_device_state(device, outside)
 
     def dropout(self, x: torch.Tensor, p: float, sharded: bool, training: bool = True) -> torch.Tensor:
         """F.dropout(x, p) with the mask drawn from the stream that fits x's layout over tp:
         `sharded=True` when x holds different values on each tp rank (SP activations, head shards)."""
         if p == 0.0 or not training:
             return x
-        with self.fork("sharded" if sharded else "replicated"):
+        with self.fork("sharded" if sharded else "replicated", x.device):
             return F.dropout(x, p, training=True)
 
     def checkpoint_context_fns(self) -> Tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -102,11 +115,10 @@ class RNGTracker:
 
         @contextlib.contextmanager
         def recompute():
-            now = self.get_states()
-            self.set_states(at_forward)
+            now, self._states = self._states, dict(at_forward)  # streams first used inside re-seed alike
             try:
                 yield
             finally:
-                self.set_states(now)
+                self._states = now
 
         return contextlib.nullcontext(), recompute()

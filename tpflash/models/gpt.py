@@ -1,0 +1,180 @@
+"""GPT / Llama decoder over tensor parallelism (and sequence parallelism), built from tpflash.layers.
+
+Layout through the model: ids [batch, seq] -> embeddings [seq, batch, hidden] (sequence-first;
+[seq/tp, batch, hidden] under SP) -> blocks -> final norm -> vocab-sharded logits
+[batch, seq, V'/tp] (V' = vocab padded to a multiple of tp, rank r holding columns
+[r*V'/tp, (r+1)*V'/tp)) or the mean cross-entropy, computed without gathering the vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import losses
+from ..layers import ParallelNorm, ParallelTransformerBlock, VocabParallelEmbedding
+from ..layers.attention import column_input
+from ..parallel import comm
+from ..parallel.random import RNGTracker
+from ..parallel.sharding import iter_sharded
+from ..parallel.state import get_default_state, group_rank, group_size, resolve_tp_group
+from .config import GPTConfig
+from .generate import generate
+
+
+def _normal(std: float):
+    return lambda t: nn.init.normal_(t, mean=0.0, std=std)
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer (GPT-2 or Llama family, per `config`) over the tp group.
+
+    forward(idx) -> logits [batch, seq, V'/tp] (vocab-sharded; padding columns -inf), the same on
+    every tp rank; forward(idx, targets) -> scalar mean loss (ignore_index=-100).
+    idx/targets: [batch, seq] int64, replicated over tp; seq <= block_size, and under sequence
+    parallelism seq % tp == 0. Process group: `process_group`, else the default tp group, else none.
+    Parameters (keys of full_state_dict, equal to the tp=1 model's): tok_embeddings.weight,
+    pos_embeddings.weight (learned positions), blocks.{i}.(attn_norm|attn|mlp_norm|mlp).*,
+    final_norm.*, lm_head.weight (untied only).
+    """
+
+    block_class = ParallelTransformerBlock
+
+    def __init__(self, config: GPTConfig, process_group=None, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.process_group = resolve_tp_group(process_group)
+        tp, rank = group_size(self.process_group), group_rank(self.process_group)
+        config.check_tp(tp)  # before anything could communicate
+        self.sequence_parallel = config.sequence_parallel
+        state = get_default_state()
+        dp_rank = state.dp_rank if state is not None and state.tp_group is self.process_group else 0
+        self.rng_tracker = RNGTracker(config.seed, tp_rank=rank, dp_rank=dp_rank)
+        init, out_init = _normal(config.init_std), _normal(config.init_std / math.sqrt(2 * config.n_layer))
+        kw = dict(device=device, dtype=dtype)
+        self.tok_embeddings = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=self.process_group,
+                                                     sequence_parallel=self.sequence_parallel, init_method=init, **kw)
+        self.pos_embeddings = None
+        if config.position == "learned":
+            self.pos_embeddings = nn.Embedding(config.block_size, config.n_embd, **kw)
+            init(self.pos_embeddings.weight)
+        self.blocks = nn.ModuleList(
+            ParallelTransformerBlock(config.n_embd, config.n_head, config.kv_heads, config.ffn_dim, mlp=config.mlp,
+                                     norm=config.norm, position=config.position, bias=config.bias,
+                                     norm_eps=config.norm_eps, rope_theta=config.rope_theta, dropout=config.dropout,
+                                     sequence_parallel=self.sequence_parallel, process_group=self.process_group,
+                                     checkpoint=config.checkpoint_mode, rng_tracker=self.rng_tracker,
+                                     init_method=init, out_init_method=out_init, **kw)
+            for _ in range(config.n_layer))
+        self.final_norm = ParallelNorm(config.n_embd, config.norm, config.norm_eps,
+                                       bias=config.bias and config.norm == "layernorm",
+                                       sequence_parallel=self.sequence_parallel, process_group=self.process_group, **kw)
+        self.lm_head = None
+        if not config.tie_embeddings:  # same layout as the embedding table: rows = vocab, sharded
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=self.process_group,
+                                                  init_method=init, **kw)
+
+    # ---- shapes -------------------------------------------------------------------------------
+    @property
+    def tp(self) -> int:
+        return group_size(self.process_group)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """This rank's rows of the output projection, [V'/tp, hidden]."""
+        return (self.tok_embeddings if self.lm_head is None else self.lm_head).weight
+
+    def _check_input(self, idx: torch.Tensor, targets: Optional[torch.Tensor]) -> None:
+        if idx.dim() != 2:
+            raise ValueError(f"idx has shape {tuple(idx.shape)}; expected [batch, seq]")
+        seq = idx.shape[1]
+        if seq > self.config.block_size:
+            raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
+        if self.sequence_parallel and seq % self.tp:
+            raise ValueError(f"sequence length {seq} is not divisible by tp={self.tp} (sequence parallelism)")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}")
+
+    # ---- forward ------------------------------------------------------------------------------
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """ids [batch, seq] -> [seq, batch, hidden] (under SP this rank's [seq/tp, batch, hidden])."""
+        x = self.tok_embeddings(idx.t())
+        if self.pos_embeddings is not None:
+            seq = idx.shape[1]
+            pos = self.pos_embeddings.weight
+            if self.sequence_parallel:  # this rank's positions; the table's gradient summed over tp
+                pos = comm.copy_to_tp_region(pos, self.process_group)
+                local = seq // self.tp
+                start = group_rank(self.process_group) * local
+                x = x + pos[start:start + local, None, :]
+            else:
+                x = x + pos[:seq, None, :]
+        return self.rng_tracker.dropout(x, self.config.dropout, sharded=self.sequence_parallel, training=self.training)
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final-norm output, [seq, batch, hidden] ([seq/tp, batch, hidden] under SP)."""
+        x, residual = self.embed(idx), None
+        for block in self.blocks:
+            x, residual = block(x, residual)
+        return self.final_norm(x, residual=residual)[0]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[seq(/tp), batch, hidden] -> [seq, batch, V'/tp] (padding columns left as computed)."""
+        return F.linear(column_input(h, self.process_group, self.sequence_parallel), self.head_weight)
+
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        local = logits.shape[-1]
+        real = self.config.vocab_size - group_rank(self.process_group) * local
+        if real >= local:
+            return logits
+        pad = torch.arange(local, device=logits.device) >= real
+        return logits.masked_fill(pad, float("-inf"))
+
+    def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        target = targets.t()  # [seq, batch], the logits' token order
+        fused = getattr(losses, "fused_linear_cross_entropy", None)
+        if self.config.fused_loss and fused is not None:
+            x = column_input(h, self.process_group, self.sequence_parallel)  # [seq, batch, hidden]
+            return fused(x, self.head_weight, target, process_group=self.process_group,
+                         vocab_size=self.config.vocab_size)
+        return losses.vocab_parallel_cross_entropy(self._logits(h), target, self.process_group,
+                                                   vocab_size=self.config.vocab_size)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check_input(idx, targets)
+        h = self.hidden_states(idx)
+        if targets is not None:
+            return self._loss(h, targets)
+        return self._mask_padding(self._logits(h)).transpose(0, 1)  # [batch, seq, V'/tp]
+
+    generate = generate
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def _full_numels(self) -> Dict[str, int]:
+        """{parameter name: element count of the unsharded tensor} (no communication)."""
+        specs = {key: spec for key, spec, _ in iter_sharded(self)}
+        out = {}
+        for name, p in self.named_parameters():
+            spec = specs.get(name)
+            out[name] = p.numel() if spec is None else p.numel() // p.shape[spec.dim] * spec.full_size
+        return out
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters of the unsharded model (the same on every rank and at every tp). non_embedding
+        leaves out the token and position embedding tables (an untied output head still counts)."""
+        numels = self._full_numels()
+        if non_embedding:
+            numels = {k: v for k, v in numels.items() if not k.startswith(("tok_embeddings.", "pos_embeddings."))}
+        return sum(numels.values())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), for MFU: 6 * (matmul parameters, the output
+        head included) + 12 * n_layer * n_embd * seq_len for attention scores and values (PaLM's
+        convention, which does not halve for causal masking)."""
+        c = self.config
+        block_params = self.num_params(non_embedding=True) - (0 if self.lm_head is None else c.vocab_size * c.n_embd)
+        matmul_params = block_params + c.vocab_size * c.n_embd
+        return 6.0 * matmul_params + 12.0 * c.n_layer * c.n_embd * seq_len
