@@ -97,6 +97,7 @@ def train(model, optimizer, steps: range, dp_rank: int = 0, dp_size: int = 1) ->
     return losses
 
 
+@torch.no_grad()
 def unshard(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """The unsharded value of a tensor laid out like parameter `name` (gathered over dp, then tp)."""
     specs = {key: (spec, group) for key, spec, group in iter_sharded(model)}
@@ -107,6 +108,7 @@ def unshard(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
+@torch.no_grad()
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
     """Unsharded parameters and AdamW state by name: {"<param>", "<param>.exp_avg", ..., "<param>.step"}."""
     out = {}

@@ -1,0 +1,61 @@
+"""A checkpoint saved at (dp=2, tp=2) under FSDP loads at (1, 1), (1, 4) and (4, 1) with identical
+parameters and optimizer state (the vocabulary is padded differently at each tp), and training
+continued after the resharded resume equals continuing the original run (fp32, 1e-5)."""
+import pytest
+import torch
+
+import tpflash
+from tests.checkpoint.tiny_model import build, full_state, make_optimizer, train
+from tests.distributed.checks import assert_close, init_tp
+
+SAVE_AT, MORE = 3, 3  # train 3 steps, save, train 3 more
+
+
+def save_body(root):
+    """At (dp=2, tp=2) with FSDP: train, save, record the state, train on; return (saved, final) states."""
+    ps = init_tp(2)
+    model = tpflash.parallel.apply_fsdp(build(seed=0), ps)
+    optimizer = make_optimizer(model)
+    train(model, optimizer, range(SAVE_AT), ps.dp_rank, ps.dp_size)
+    tpflash.checkpoint.save(root, model, optimizer, step=SAVE_AT, data_position=SAVE_AT * 8)
+    saved = full_state(model, optimizer)
+    train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), ps.dp_rank, ps.dp_size)
+    return saved, full_state(model, optimizer)
+
+
+def resume_body(root, tp, fsdp, saved, final):
+    ps = init_tp(tp)
+    model = build(seed=1)  # different weights: the load must overwrite all of them
+    if fsdp:
+        model = tpflash.parallel.apply_fsdp(model, ps)
+    optimizer = make_optimizer(model)
+    info = tpflash.checkpoint.load(root, model, optimizer)
+    assert info == {"step": SAVE_AT, "data_position": SAVE_AT * 8}, info
+    loaded = full_state(model, optimizer)
+    assert loaded.keys() == saved.keys(), sorted(set(loaded) ^ set(saved))
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), f"{key} differs after the resharded load"
+    train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE), ps.dp_rank, ps.dp_size)
+    continued = full_state(model, optimizer)
+    for key, value in final.items():
+        if not key.endswith(".step"):
+            assert_close(continued[key], value, key, tol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def saved_run(ranks, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt") / "run")
+    saved, final = ranks(4).run(save_body, root)[0]
+    return root, saved, final
+
+
+def test_fsdp_tp_checkpoint_commits_step_directory(saved_run):
+    root, _, _ = saved_run
+    assert tpflash.checkpoint.latest(root).endswith(f"step_{SAVE_AT}")
+
+
+@pytest.mark.parametrize("world,tp,fsdp", [(1, 1, False), (4, 4, False), (4, 1, True)],
+                         ids=["dp1-tp1", "dp1-tp4", "dp4-tp1-fsdp"])
+def test_resume_at_other_layout_restores_state_and_continues_like_original(ranks, saved_run, world, tp, fsdp):
+    root, saved, final = saved_run
+    ranks(world).run(resume_body, root, tp, fsdp, saved, final)

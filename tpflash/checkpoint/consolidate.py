@@ -1,0 +1,63 @@
+"""Offline consolidation: one unsharded safetensors file (and a Hugging Face model dir) from a checkpoint.
+
+Runs in a single CPU process with no torch.distributed setup: DCP's no-dist load reads every
+chunk of each "model.*" tensor into a full-size CPU tensor, whatever (dp, tp) wrote it.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from typing import Dict, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from . import directory, integrity
+from .extras import CONFIG_FILE
+from .layout import MODEL_PREFIX
+
+
+def load_model_tensors(path: str, verify: bool = True) -> Dict[str, torch.Tensor]:
+    """{state-dict key: unsharded CPU tensor} of the model in checkpoint `path` (a step dir or a root)."""
+    path = directory.resolve(path)
+    if verify:
+        integrity.verify(path)
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in saved.items()
+             if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key[len(MODEL_PREFIX):]: value for key, value in state.items()}
+
+
+def _import(qualified: str):
+    module, _, name = qualified.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def export_hf(path: str, tensors: Dict[str, torch.Tensor], hf_dir: str) -> None:
+    """Rebuild the tpflash model from its stored config (tp=1, CPU), then save it with `tpflash.models.to_hf`."""
+    config_path = os.path.join(directory.resolve(path), CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{path} has no {CONFIG_FILE}: the saved model had no `.config`, so no Hugging Face "
+                         "model can be built (the safetensors file was written)")
+    with open(config_path) as f:
+        stored = json.load(f)
+    config = _import(stored["class"])(**stored["fields"])
+    model = _import(stored["model_class"])(config)
+    model.load_state_dict(tensors)
+    from tpflash.models import to_hf
+    to_hf(model).save_pretrained(hf_dir)
+
+
+def consolidate(src: str, out: str, hf_dir: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """Write the unsharded model of checkpoint `src` to safetensors file `out` (and a HF dir); return the tensors."""
+    from safetensors.torch import save_file
+    tensors = load_model_tensors(src)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out, metadata={"source": os.path.abspath(src)})
+    if hf_dir is not None:
+        export_hf(src, tensors, hf_dir)
+    return tensors
