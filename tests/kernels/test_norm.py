@@ -1,0 +1,60 @@
+"""Triton LayerNorm / RMSNorm (+ fused residual) vs a float64 reference, forward and backward."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels.helpers import DEVICE, assert_rel, float64_twin, needs_interpreter, run_with_grads
+from tpflash.kernels import layer_norm, rms_norm
+
+
+def _inputs(shape, dtype, residual, bias, device="cpu"):
+    torch.manual_seed(0)
+    n = shape[-1]
+    x = torch.randn(shape, device=device, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(n, device=device)).to(dtype)
+    b = (0.1 * torch.randn(n, device=device)).to(dtype) if bias else None
+    r = torch.randn(shape, device=device, dtype=dtype) if residual else None
+    return x, w, b, r
+
+
+def _check(rms, residual, shape=(3, 5, 40), dtype=torch.float32, device="cpu"):
+    x, w, b, r = _inputs(shape, dtype, residual, bias=not rms, device=device)
+    if rms:
+        fn = lambda x, w, b, r: rms_norm(x, w, residual=r)  # noqa: E731
+    else:
+        fn = lambda x, w, b, r: layer_norm(x, w, b, residual=r)  # noqa: E731
+    torch.manual_seed(1)
+    grads_out = [torch.randn_like(x)] + ([torch.randn_like(x)] if residual else [])
+    outs, grads = run_with_grads(fn, [x, w, b, r], grads_out)
+    ref_outs, ref_grads = float64_twin(fn, [x, w, b, r], grads_out)
+    for i, (o, ro) in enumerate(zip(outs, ref_outs)):
+        assert_rel(o, ro, dtype, ["y", "new_residual"][i])
+    names = [n for n, t in zip(["dx", "dweight", "dbias", "dresidual"], [x, w, b, r]) if t is not None]
+    for name, g, rg in zip(names, grads, ref_grads):
+        assert_rel(g, rg, dtype, name, scale=2.0 if name in ("dweight", "dbias") else 1.0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_norm_matches_reference(rms, residual):
+    _check(rms, residual)
+
+
+def test_norm_references_match_torch():
+    x, w, b, _ = _inputs((4, 32), torch.float64, residual=False, bias=True)
+    assert_rel(layer_norm(x, w, b), F.layer_norm(x, (32,), w, b), torch.float64, "layer_norm")
+    assert_rel(rms_norm(x, w), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w, torch.float64, "rms")
+
+
+def test_norm_rejects_a_weight_of_the_wrong_size():
+    with pytest.raises(ValueError, match=r"weight shape \(8,\) must be \[16\]"):
+        layer_norm(torch.randn(2, 16), torch.ones(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("n", [1024, 4096, 5120])
+def test_norm_matches_reference_on_gpu(rms, residual, n):
+    _check(rms, residual, (4, 512, n), torch.bfloat16, DEVICE)

@@ -1,0 +1,102 @@
+"""fused_linear_cross_entropy equals F.cross_entropy(hidden @ W.T), value and gradients, tp in {1, 2, 4}."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed.checks import assert_close, init_tp
+from tpflash.layers.embedding import padded_vocab_size
+from tpflash.losses import fused_linear_cross_entropy
+
+SEQ, BATCH, HIDDEN, VOCAB = 4, 3, 16, 30  # hidden [seq, batch, hidden] (sequence-first)
+
+
+def _data(device, dtype, vocab=VOCAB):
+    torch.manual_seed(11)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, device=device).to(dtype)
+    weight = (torch.randn(vocab, HIDDEN, device=device) / HIDDEN ** 0.5).to(dtype)
+    target = torch.randint(0, vocab, (SEQ, BATCH), device=device)
+    target[0, :2] = -100
+    return hidden, weight, target
+
+
+def _reference(hidden, weight, target, reduction, label_smoothing=0.0):
+    """(loss, d hidden, d weight) of the naive path in fp32, for upstream gradient g (fixed seed)."""
+    h, w = hidden.detach().float().clone().requires_grad_(), weight.detach().float().clone().requires_grad_()
+    loss = F.cross_entropy((h @ w.t()).flatten(0, -2), target.flatten(), reduction=reduction,
+                           label_smoothing=label_smoothing)
+    loss = loss.reshape(target.shape) if reduction == "none" else loss
+    g = torch.rand(loss.shape, generator=torch.Generator().manual_seed(5)).to(loss.device)
+    loss.backward(g)
+    return loss, h.grad, w.grad, g
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fused_linear_cross_entropy_matches_torch(reduction):
+    hidden, weight, target = _data("cpu", torch.float32)
+    ref, ref_dh, ref_dw, g = _reference(hidden, weight, target, reduction, 0.1)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, target, reduction=reduction, chunk_size=5, label_smoothing=0.1)
+    loss.backward(g)
+    assert_close(loss, ref, "loss")
+    assert_close(h.grad, ref_dh, "d hidden")
+    assert_close(w.grad, ref_dw, "d weight")
+
+
+def test_fused_linear_cross_entropy_without_grad_gives_the_loss():
+    hidden, weight, target = _data("cpu", torch.float32)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(hidden, weight, target, chunk_size=7)
+    assert_close(loss, _reference(hidden, weight, target, "mean")[0], "loss")
+
+
+def vocab_parallel_body(tp, reduction, vocab, sequence_parallel):
+    ps = init_tp(tp)
+    dtype = torch.float32 if ps.device.type == "cpu" else torch.bfloat16
+    hidden, weight, target = _data(ps.device, dtype, vocab)
+    ref, ref_dh, ref_dw, g = _reference(hidden, weight, target, reduction)
+    padded = padded_vocab_size(vocab, tp)
+    rows = padded // tp
+    full_w = torch.cat([weight, weight.new_zeros(padded - vocab, HIDDEN)])
+    w = full_w[ps.tp_rank * rows:(ps.tp_rank + 1) * rows].clone().requires_grad_()
+    seq = hidden.shape[0] // tp if sequence_parallel else hidden.shape[0]
+    start = ps.tp_rank * seq if sequence_parallel else 0
+    h = hidden[start:start + seq].clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, target, vocab_size=vocab, reduction=reduction, chunk_size=5,
+                                      sequence_parallel=sequence_parallel)
+    loss.backward(g)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(loss.float(), ref, "loss", tol)
+    assert_close(h.grad, ref_dh[start:start + seq], "d hidden", tol)
+    ref_dw = torch.cat([ref_dw, ref_dw.new_zeros(padded - vocab, HIDDEN)])[ps.tp_rank * rows:(ps.tp_rank + 1) * rows]
+    assert_close(w.grad, ref_dw, "d weight", tol)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_vocab_parallel_fused_linear_cross_entropy_matches_one_process(ranks, tp, reduction):
+    ranks(tp).run(vocab_parallel_body, tp, reduction, 29, False)  # 29 -> padded 30 / 32
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_sequence_parallel_fused_linear_cross_entropy_matches_one_process(ranks, tp):
+    ranks(tp).run(vocab_parallel_body, tp, "mean", VOCAB, True)
+
+
+def test_fused_linear_cross_entropy_rejects_a_mismatched_weight():
+    with pytest.raises(ValueError, match=r"weight_shard shape \(30, 8\) must be \[V/tp, hidden=16\]"):
+        fused_linear_cross_entropy(torch.randn(4, 16), torch.randn(30, 8), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.gpu
+def test_fused_linear_cross_entropy_matches_torch_on_gpu():
+    torch.manual_seed(0)
+    hidden = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(32000, 1024, device="cuda") / 32).to(torch.bfloat16)
+    target = torch.randint(0, 32000, (4096,), device="cuda")
+    ref, ref_dh, ref_dw, g = _reference(hidden, weight, target, "mean")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, target, chunk_size=1024)
+    loss.backward(g)
+    assert_close(loss.float(), ref, "loss", 1e-2)
+    assert_close(h.grad, ref_dh, "d hidden", 2e-2)
+    assert_close(w.grad, ref_dw, "d weight", 2e-2)
