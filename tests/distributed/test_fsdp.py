@@ -1,0 +1,81 @@
+"""apply_fsdp: 2-D FSDP x TP (and HSDP) training equals single-process training; wrapping policies."""
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tpflash
+from tests.checkpoint.tiny_model import TinyBlock, TinyLM, build, full_state, make_optimizer, train
+from tests.distributed.checks import assert_close, init_tp
+from tpflash.parallel.fsdp import apply_fsdp, block_wrap_policy, hsdp_mesh, select_units, size_wrap_policy
+
+STEPS = 3
+
+
+def training_body(tp, hsdp_replicas, reshard_after_forward):
+    ps = init_tp(tp)
+    model = apply_fsdp(build(seed=0), ps, hsdp_replicas=hsdp_replicas, reshard_after_forward=reshard_after_forward)
+    reference = build(seed=0, tp=False)
+    optimizer, ref_optimizer = make_optimizer(model), make_optimizer(reference)
+    train(model, optimizer, range(STEPS), ps.dp_rank, ps.dp_size)
+    train(reference, ref_optimizer, range(STEPS))
+    got, expected = full_state(model, optimizer), full_state(reference, ref_optimizer)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert_close(got[key], value, key, tol=1e-5)
+
+
+@pytest.mark.parametrize("tp,hsdp_replicas,reshard", [(2, 1, True), (1, 1, False), (1, 2, True)],
+                         ids=["dp2-tp2", "dp4-no-reshard", "hsdp2x2"])
+def test_fsdp_training_equals_single_process_training(ranks, tp, hsdp_replicas, reshard):
+    ranks(4).run(training_body, tp, hsdp_replicas, reshard)
+
+
+def wrapping_body():
+    ps = init_tp(1)
+    model = apply_fsdp(build(seed=0), ps)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    assert isinstance(model, FSDPModule)
+    assert all(isinstance(b, FSDPModule) for b in model.blocks), "every block is its own FSDP unit"
+    assert not isinstance(model.embed, FSDPModule), "embeddings and head stay in the root unit (tied weights)"
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_apply_fsdp_shards_each_block_then_the_root(ranks):
+    ranks(1).run(wrapping_body)
+
+
+def test_block_wrap_policy_selects_blocks():
+    model = TinyLM()
+    units = select_units(model, auto_wrap_policy=block_wrap_policy({TinyBlock}))
+    assert units == list(model.blocks)
+
+
+def test_model_block_class_is_the_default_policy():
+    model = TinyLM()
+    assert select_units(model) == list(model.blocks)
+
+
+def test_size_wrap_policy_selects_modules_over_the_threshold():
+    model = TinyLM()
+    block_params = sum(p.numel() for p in model.blocks[0].parameters())
+    up_params = sum(p.numel() for p in model.blocks[0].up.parameters())
+    units = select_units(nn.Sequential(*model.blocks), auto_wrap_policy=size_wrap_policy(up_params))
+    # each block's `up` reaches the threshold; what is left of the block (norm, down) does not
+    assert all(sum(p.numel() for p in u.parameters()) >= up_params for u in units)
+    assert model.blocks[0].up in units and model.blocks[0] not in units
+    assert block_params > up_params
+
+
+def test_hsdp_replicas_must_divide_dp():
+    fake = types.SimpleNamespace(dp_size=4, tp_size=1, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="hsdp_replicas=3 must be >= 1 and divide dp=4"):
+        hsdp_mesh(fake, 3)
+
+
+def test_apply_fsdp_without_parallel_state_raises():
+    tpflash.parallel.set_default_state(None)
+    with pytest.raises(ValueError, match="needs a ParallelState"):
+        apply_fsdp(TinyLM())
