@@ -8,6 +8,10 @@ one collective in each direction.
 
 Sequence-parallel activations are sequence-first, [seq/tp, batch, hidden]: gathering dim 0
 is one contiguous collective with no copy (the layers take `seq_dim` for other layouts).
+
+Under sequence parallelism (seq_dim 0, tp > 1) the all-gather / reduce-scatter is pipelined with
+the GEMM (tpflash.parallel.overlap) unless `overlap=False`, or, with `overlap=None` (default),
+unless `overlap_comm(False)` / TPFLASH_OVERLAP=0 turns it off. Results agree either way.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..parallel import comm
+from ..parallel import comm, overlap as _overlap
 from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 
@@ -48,6 +52,12 @@ def _check_divisible(name: str, value: int, tp: int) -> None:
         raise ValueError(f"{name}={value} is not divisible by tp={tp}")
 
 
+def _pipelined(layer: nn.Module) -> bool:
+    """Whether `layer` takes the overlapped path: SP on dim 0 over tp > 1 with overlap enabled."""
+    return (layer.sequence_parallel and layer.seq_dim == 0 and group_size(layer.process_group) > 1
+            and _overlap.resolve_overlap(layer.overlap))
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W [out_features, in_features] split by rows (output features) over tp.
 
@@ -59,13 +69,15 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, process_group=None, *, init_method: Optional[InitMethod] = None,
-                 seq_dim: int = 0, device=None, dtype=None):
+                 seq_dim: int = 0, overlap: Optional[bool] = None, save_gathered_input: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         self.process_group = resolve_tp_group(process_group)
         tp, rank = group_size(self.process_group), group_rank(self.process_group)
         _check_divisible("out_features", out_features, tp)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
+        self.overlap, self.save_gathered_input = overlap, save_gathered_input
         self.tp_shard_specs = {"weight": ShardSpec(0, out_features)}
         weight, b = init_linear_full(out_features, in_features, bias, init_method, device, dtype)
         self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(weight, rank, tp))
@@ -76,18 +88,23 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = comm.all_gather_along_seq(x, self.process_group, self.seq_dim)  # [seq, *, in]
+        if _pipelined(self):  # gather chunks multiplied as they arrive
+            y, = _overlap.all_gather_linear(x, [self.weight], [self.bias], self.process_group,
+                                            self.save_gathered_input)  # [seq, *, out/tp]
         else:
-            x = comm.copy_to_tp_region(x, self.process_group)
-        y = F.linear(x, self.weight, self.bias)  # [*, out/tp]
+            if self.sequence_parallel:
+                x = comm.all_gather_along_seq(x, self.process_group, self.seq_dim)  # [seq, *, in]
+            else:
+                x = comm.copy_to_tp_region(x, self.process_group)
+            y = F.linear(x, self.weight, self.bias)  # [*, out/tp]
         if self.gather_output:
             y = comm.gather_along_dim(y, -1, self.process_group)
         return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}")
+                f"tp={group_size(self.process_group)}, "
+                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")
 
 
 class RowParallelLinear(nn.Module):
@@ -101,7 +118,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, process_group=None, *, init_method: Optional[InitMethod] = None,
-                 seq_dim: int = 0, device=None, dtype=None):
+                 seq_dim: int = 0, overlap: Optional[bool] = None, device=None, dtype=None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input must already be "
@@ -111,6 +128,7 @@ class RowParallelLinear(nn.Module):
         _check_divisible("in_features", in_features, tp)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel, self.seq_dim = input_is_parallel, sequence_parallel, seq_dim
+        self.overlap = overlap
         self.tp_shard_specs = {"weight": ShardSpec(1, in_features)}
         weight, b = init_linear_full(out_features, in_features, bias, init_method, device, dtype)
         self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(weight, rank, tp))
@@ -119,15 +137,20 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.split_along_dim(x, -1, self.process_group)
-        y = F.linear(x, self.weight)  # [*, out] partial sum over tp
-        if self.sequence_parallel:
-            y = comm.reduce_scatter_along_seq(y, self.process_group, self.seq_dim)
-            bias = None if self.bias is None else comm.copy_to_tp_region(self.bias, self.process_group)
+        if _pipelined(self):  # per-chunk GEMMs feed a ring reduce-scatter
+            y = _overlap.linear_reduce_scatter(x, self.weight, self.process_group)  # [seq/tp, *, out]
         else:
-            y = comm.reduce_from_tp_region(y, self.process_group)
-            bias = self.bias
+            y = F.linear(x, self.weight)  # [*, out] partial sum over tp
+            if self.sequence_parallel:
+                y = comm.reduce_scatter_along_seq(y, self.process_group, self.seq_dim)
+            else:
+                y = comm.reduce_from_tp_region(y, self.process_group)
+        bias = self.bias
+        if bias is not None and self.sequence_parallel:  # each rank's tokens give a partial bias grad
+            bias = comm.copy_to_tp_region(bias, self.process_group)
         return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}")
+                f"tp={group_size(self.process_group)}, "
+                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")

@@ -1,0 +1,168 @@
+"""Pipelined (overlapped) sequence-parallel GEMMs equal the plain path and the single-process reference."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed.checks import assert_close, init_tp, work_dtype
+from tpflash.layers import ColumnParallelLinear, RowParallelLinear
+from tpflash.layers.linear import _pipelined
+from tpflash.parallel import overlap
+
+SEQ, BATCH, IN, OUT = 8, 3, 16, 24
+
+
+def _randn(ps, dtype, *shape, seed=1234):
+    torch.manual_seed(seed)  # same tensor on every rank
+    return torch.randn(*shape, device=ps.device, dtype=dtype)
+
+
+def _rows(ps, tp):
+    return slice(ps.tp_rank * SEQ // tp, (ps.tp_rank + 1) * SEQ // tp)
+
+
+def _run(layer, x_local, grad_y):
+    x = x_local.clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad_y)
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def _same(got, want, what):
+    (y, gx, gp), (y0, gx0, gp0) = got, want
+    assert_close(y, y0, f"{what}: output")
+    assert_close(gx, gx0, f"{what}: input grad")
+    for name in gp0:
+        assert_close(gp[name], gp0[name], f"{what}: {name} grad")
+
+
+def column_on_off_body(tp, save_gathered_input):
+    ps = init_tp(tp)
+    dtype = work_dtype(ps.device)
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(IN, OUT, sequence_parallel=True, save_gathered_input=save_gathered_input,
+                                 device=ps.device, dtype=dtype)
+    x_local = _randn(ps, dtype, SEQ, BATCH, IN)[_rows(ps, tp)]
+    grad_y = _randn(ps, dtype, SEQ, BATCH, OUT // tp, seed=ps.tp_rank)
+    with overlap.overlap_comm(True):
+        assert _pipelined(layer), "the overlapped path is not taken"
+        on = _run(layer, x_local, grad_y)
+    layer.zero_grad()
+    with overlap.overlap_comm(False):
+        off = _run(layer, x_local, grad_y)
+    _same(on, off, f"column tp={tp}")
+
+
+def row_on_off_body(tp):
+    ps = init_tp(tp)
+    dtype = work_dtype(ps.device)
+    torch.manual_seed(0)
+    layer = RowParallelLinear(IN, OUT, sequence_parallel=True, device=ps.device, dtype=dtype)
+    h_local = _randn(ps, dtype, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
+    grad_y = _randn(ps, dtype, SEQ // tp, BATCH, OUT, seed=20 + ps.tp_rank)
+    assert _pipelined(layer), "overlap=None should take the overlapped path by default"
+    on = _run(layer, h_local, grad_y)
+    layer.zero_grad()
+    layer.overlap = False  # the per-layer flag wins over the global setting
+    off = _run(layer, h_local, grad_y)
+    _same(on, off, f"row tp={tp}")
+
+
+def multi_weight_body(tp, save_gathered_input):
+    """all_gather_linear with q/k/v-like weights (one with no bias) against F.linear on the full input."""
+    ps = init_tp(tp)
+    dtype = work_dtype(ps.device)
+    outs = (OUT, 2 * tp, OUT // 2)
+    torch.manual_seed(0)
+    full_w = [torch.randn(o, IN, device=ps.device, dtype=dtype) for o in outs]
+    full_b = [torch.randn(o, device=ps.device, dtype=dtype) if i != 1 else None for i, o in enumerate(outs)]
+    shard = lambda t: None if t is None else t.chunk(tp, 0)[ps.tp_rank].clone().requires_grad_()  # noqa: E731
+    ws, bs = [shard(w) for w in full_w], [shard(b) for b in full_b]
+    ref_w = [w.clone().requires_grad_() for w in full_w]
+    ref_b = [None if b is None else b.clone().requires_grad_() for b in full_b]
+    x = _randn(ps, dtype, SEQ, BATCH, IN)
+    x_local = x[_rows(ps, tp)].clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    grads = [_randn(ps, dtype, SEQ, BATCH, o, seed=50 + i) for i, o in enumerate(outs)]
+
+    ys = overlap.all_gather_linear(x_local, ws, bs, ps.tp_group, save_gathered_input)
+    ys_ref = [F.linear(x_ref, w, b) for w, b in zip(ref_w, ref_b)]
+    # each rank's loss covers its own output columns; the reference's covers all of them
+    torch.autograd.backward(ys, [g.chunk(tp, -1)[ps.tp_rank] for g in grads])
+    torch.autograd.backward(ys_ref, grads)
+    for i, (y, y_ref) in enumerate(zip(ys, ys_ref)):
+        assert_close(y, y_ref.chunk(tp, -1)[ps.tp_rank], f"output {i}")
+        assert_close(ws[i].grad, ref_w[i].grad.chunk(tp, 0)[ps.tp_rank], f"weight {i} grad")
+        if bs[i] is not None:
+            assert_close(bs[i].grad, ref_b[i].grad.chunk(tp, 0)[ps.tp_rank], f"bias {i} grad")
+    # the ranks' losses add up to the reference loss, so this rank's tokens get the reference grad
+    assert_close(x_local.grad, x_ref.grad[_rows(ps, tp)], "input grad")
+
+
+def linear_reduce_scatter_body(tp):
+    """linear_reduce_scatter equals reduce-scattering F.linear of the full input-feature product."""
+    ps = init_tp(tp)
+    dtype = work_dtype(ps.device)
+    h = _randn(ps, dtype, SEQ, BATCH, IN)
+    w = _randn(ps, dtype, OUT, IN, seed=7)
+    cols = slice(ps.tp_rank * IN // tp, (ps.tp_rank + 1) * IN // tp)
+    h_local, w_local = h[..., cols].clone().requires_grad_(), w[:, cols].clone().requires_grad_()
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    grad = _randn(ps, dtype, SEQ, BATCH, OUT, seed=8)
+    y = overlap.linear_reduce_scatter(h_local, w_local, ps.tp_group)
+    y_ref = F.linear(h_ref, w_ref)
+    assert_close(y, y_ref[_rows(ps, tp)], "output")
+    y.backward(grad[_rows(ps, tp)])
+    y_ref.backward(grad)
+    assert_close(h_local.grad, h_ref.grad[..., cols], "input grad")
+    assert_close(w_local.grad, w_ref.grad[:, cols], "weight grad")
+
+
+def indivisible_sequence_body(tp):
+    ps = init_tp(tp)
+    h = torch.randn(SEQ + 1, BATCH, IN // tp, device=ps.device)
+    with pytest.raises(ValueError, match=f"sequence length {SEQ + 1} .* not divisible by tp={tp}"):
+        overlap.linear_reduce_scatter(h, torch.randn(OUT, IN // tp, device=ps.device), ps.tp_group)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("save_gathered_input", [True, False])
+def test_column_overlap_matches_overlap_off(ranks, tp, save_gathered_input):
+    ranks(tp).run(column_on_off_body, tp, save_gathered_input)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_row_overlap_matches_overlap_off(ranks, tp):
+    ranks(tp).run(row_on_off_body, tp)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("save_gathered_input", [True, False])
+def test_all_gather_linear_with_several_weights_matches_reference(ranks, tp, save_gathered_input):
+    ranks(tp).run(multi_weight_body, tp, save_gathered_input)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_linear_reduce_scatter_matches_reference(ranks, tp):
+    ranks(tp).run(linear_reduce_scatter_body, tp)
+
+
+def test_indivisible_sequence_raises_before_any_collective(ranks):
+    ranks(2).run(indivisible_sequence_body, 2)
+
+
+def test_switch_follows_context_then_environment(monkeypatch):
+    monkeypatch.setenv("TPFLASH_OVERLAP", "0")
+    assert not overlap.overlap_enabled()
+    with overlap.overlap_comm(True):
+        assert overlap.overlap_enabled() and overlap.resolve_overlap(None)
+        assert not overlap.resolve_overlap(False)
+    monkeypatch.setenv("TPFLASH_OVERLAP", "1")
+    assert overlap.overlap_enabled()
+    with overlap.overlap_comm(False):
+        assert not overlap.overlap_enabled()
+
+
+def test_tp1_is_plain_linear():
+    x, w, b = torch.randn(4, 2, 8), torch.randn(6, 8), torch.randn(6)
+    assert torch.equal(overlap.all_gather_linear(x, [w], [b])[0], F.linear(x, w, b))
+    assert torch.equal(overlap.linear_reduce_scatter(x, w), F.linear(x, w))
