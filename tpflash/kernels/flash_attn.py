@@ -20,12 +20,17 @@ LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 
-def attn_configs(fields=("BLOCK_M", "BLOCK_N")):
+# (BLOCK_M, BLOCK_N, warps, stages) autotune candidates per kernel: few, to bound compile time
+FWD_SHAPES = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
+DKDV_SHAPES = [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
+DQ_SHAPES = [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3)]
+
+
+def attn_configs(shapes):
     """Autotune candidates (a single small one under the CPU interpreter)."""
     if interpreting():
-        return [triton.Config(dict(zip(fields, (16, 16))), num_warps=4, num_stages=1)]
-    shapes = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
-    return [triton.Config(dict(zip(fields, (m, n))), num_warps=w, num_stages=s) for m, n, w, s in shapes]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
 @triton.jit
@@ -63,7 +68,7 @@ def _fwd_block(acc, m_i, l_i, q, K, V, sks, svs, start_n, offs_m, offs_n, offs_d
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=attn_configs(), key=["HEAD_DIM", "CAUSAL", "VARLEN", "max_seqlen_q", "max_seqlen_k"])
+@triton.autotune(configs=attn_configs(FWD_SHAPES), key=["HEAD_DIM", "CAUSAL", "VARLEN", "max_seqlen_q", "max_seqlen_k"])
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                      heads_q, groups, seq_q, seq_k, max_seqlen_q, max_seqlen_k, scale_log2,

@@ -70,7 +70,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
                                process_group=None, ignore_index: int = -100, reduction: str = "mean",
-                               chunk_size: int = 2048, vocab_size: Optional[int] = None, *,
+                               chunk_size: Optional[int] = None, vocab_size: Optional[int] = None, *,
                                label_smoothing: float = 0.0, z_loss: float = 0.0,
                                sequence_parallel: bool = False, seq_dim: int = 0) -> torch.Tensor:
     """F.cross_entropy(hidden @ W.T, target) where W is vocab-sharded over tp, chunked over tokens.
@@ -78,13 +78,16 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor,
     hidden [*, H], replicated over tp (with sequence_parallel: this rank's sequence shard, gathered
     along `seq_dim` here); weight_shard [V'/tp, H]: rank r holds rows [r*V'/tp, (r+1)*V'/tp) of the
     vocabulary padded to V' (VocabParallelEmbedding's layout; vocab_size = the real V, padding rows
-    never count). target [*] (the full sequence) with global ids. Peak extra memory is one
+    never count). target [*] (the full sequence) with global ids. chunk_size: tokens per chunk
+    (default: about 2^29 / (V'/tp) logits per chunk, rounded to 256). Peak extra memory is one
     [chunk_size, V'/tp] logits buffer plus d weight, instead of [tokens, V'/tp] logits and their
     fp32 copies. label_smoothing / z_loss / reduction as in vocab_parallel_cross_entropy.
     d hidden is summed over tp (replicated input) or reduce-scattered (sequence_parallel).
     Process group: `process_group`, else the default tp group, else none (tp=1).
     """
     check_loss_args(reduction, label_smoothing, z_loss)
+    if chunk_size is None:
+        chunk_size = max(256, (1 << 29) // max(weight_shard.shape[0], 1) // 256 * 256)
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     group = resolve_tp_group(process_group)
