@@ -45,10 +45,16 @@ def export_hf(path: str, tensors: Dict[str, torch.Tensor], hf_dir: str) -> None:
                          "model can be built (the safetensors file was written)")
     with open(config_path) as f:
         stored = json.load(f)
-    config = _import(stored["class"])(**stored["fields"])
-    model = _import(stored["model_class"])(config)
-    model.load_state_dict(tensors)
     from tpflash.models import to_hf
+    from tpflash.parallel.state import get_default_state, set_default_state
+    config = _import(stored["class"])(**stored["fields"])
+    saved_state = get_default_state()
+    set_default_state(None)  # an unsharded (tp=1) model, even inside a distributed job
+    try:
+        model = _import(stored["model_class"])(config)
+    finally:
+        set_default_state(saved_state)
+    model.load_state_dict(tensors)
     to_hf(model).save_pretrained(hf_dir)
 
 
