@@ -21,9 +21,11 @@ MAX_HEAD_DIM = 256
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) autotune candidates per kernel: few, to bound compile time
-FWD_SHAPES = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
-DKDV_SHAPES = [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
-DQ_SHAPES = [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3)]
+FWD_SHAPES = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
+DKDV_SHAPES = [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3)]
+DQ_SHAPES = [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3)]
+# sequence lengths change every varlen batch: do not compile a kernel per divisibility class
+NO_SPECIALIZE = ["seq_q", "seq_k", "max_seqlen_q", "max_seqlen_k"]
 
 
 def attn_configs(shapes):
@@ -69,7 +71,7 @@ def _fwd_block(acc, m_i, l_i, q, K, V, sks, svs, start_n, offs_m, offs_n, offs_d
 
 
 @triton.autotune(configs=attn_configs(FWD_SHAPES), key=["HEAD_DIM", "CAUSAL", "VARLEN", "max_seqlen_q", "max_seqlen_k"])
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _attn_fwd_kernel(Q, K, V, O, LSE, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                      heads_q, groups, seq_q, seq_k, max_seqlen_q, max_seqlen_k, scale_log2,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,

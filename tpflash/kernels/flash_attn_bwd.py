@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attn import DKDV_SHAPES, DQ_SHAPES, LOG2E, AttnGeometry, attn_configs, seq_bounds
+from .flash_attn import DKDV_SHAPES, DQ_SHAPES, LOG2E, NO_SPECIALIZE, AttnGeometry, attn_configs, seq_bounds
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, sqs, sds, start_m, offs_m0, n, 
 
 
 @triton.autotune(configs=attn_configs(DKDV_SHAPES), key=["HEAD_DIM", "CAUSAL", "VARLEN", "max_seqlen_q", "max_seqlen_k"])
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _attn_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                       sdb, sds, sdh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh, heads_kv, groups, seq_q, seq_k,
                       max_seqlen_q, max_seqlen_k, scale_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -138,7 +138,7 @@ def _dq_block(dq, q, do, lse_log2, delta, K, V, sks, svs, start_n, offs_m, offs_
 
 
 @triton.autotune(configs=attn_configs(DQ_SHAPES), key=["HEAD_DIM", "CAUSAL", "VARLEN", "max_seqlen_q", "max_seqlen_k"])
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _attn_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
                     sdqb, sdqs, sdqh, slb, slh, heads_q, groups, seq_q, seq_k, max_seqlen_q, max_seqlen_k, scale_log2,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,

@@ -1,0 +1,172 @@
+"""Benchmark tpflash's kernels against PyTorch peers on one GPU, side by side, and print one table.
+
+    PYTHONPATH=$PWD python3 scripts/bench_kernels.py [--quick]
+
+Attention: TFLOP/s of forward and forward+backward (bwd = 2.5x fwd FLOPs; causal halves them) vs
+torch SDPA's flash, cuDNN and efficient backends, MHA, 16k tokens per batch. Norms, rotary and
+cross-entropy: GB/s (bytes that must move at least once / time) vs eager PyTorch and torch.compile,
+beside the GPU's measured copy bandwidth. Fused linear-CE: time and peak extra memory vs the naive
+logits path. Every number printed comes from this run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from tpflash.kernels import apply_rotary, flash_attention, layer_norm, rms_norm
+from tpflash.losses import fused_linear_cross_entropy, vocab_parallel_cross_entropy
+
+DEV, BF16 = "cuda", torch.bfloat16
+
+
+def row(kind, config, impl, a, b="", unit=""):
+    fmt = lambda x: f"{x:.1f}" if isinstance(x, float) else str(x)  # noqa: E731
+    print(f"| {kind} | {config} | {impl} | {fmt(a)} | {fmt(b)} | {unit} |", flush=True)
+
+
+def timed(fn, rep=50):
+    try:
+        return do_bench(fn, warmup=10, rep=rep)  # ms
+    except Exception as e:  # a peer that does not support a configuration
+        print(f"<!-- {type(e).__name__}: {str(e).splitlines()[0][:120]} -->", flush=True)
+        return float("nan")
+
+
+def fwd_bwd(fn, inputs, grad):
+    def run():
+        for t in inputs:
+            t.grad = None
+        fn().backward(grad)
+    return run
+
+
+def bench_attention(seqs, head_dims):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    peers = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+             "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
+    for hd in head_dims:
+        heads = 2048 // hd
+        for causal in (False, True):
+            for seq in seqs:
+                batch = max(1, 16384 // seq)
+                flops = 4 * batch * heads * seq * seq * hd / (2 if causal else 1)
+                q, k, v = (torch.randn(batch, seq, heads, hd, device=DEV, dtype=BF16, requires_grad=True)
+                           for _ in range(3))
+                qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+                grad = torch.randn_like(q)
+                impls = {"tpflash": ((q, k, v), lambda: flash_attention(q, k, v, causal=causal), grad)}
+                for name, backend in peers.items():
+                    def sdpa(backend=backend):
+                        with sdpa_kernel(backend):
+                            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    impls[name] = ((qt, kt, vt), sdpa, grad.transpose(1, 2).contiguous())
+                for name, (inputs, fn, g) in impls.items():
+                    with torch.no_grad():
+                        t_f = timed(fn)
+                    t_fb = timed(fwd_bwd(fn, inputs, g))
+                    row("attention", f"hd{hd} {'causal' if causal else 'full'} seq{seq} b{batch} h{heads}", name,
+                        flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9, "TFLOP/s fwd / fwd+bwd")
+                del q, k, v, qt, kt, vt, grad, impls
+                torch.cuda.empty_cache()
+
+
+def bench_copy():
+    x = torch.empty(1 << 30, device=DEV, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    t = timed(lambda: y.copy_(x))
+    gbs = 2 * x.numel() / t / 1e6
+    row("copy", "1 GiB", "torch copy_", gbs, "", "GB/s")
+    return gbs
+
+
+def _rms_eager(x, w, eps=1e-6):
+    h = x.float()
+    return (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def _rotate_half_eager(x, cos, sin):  # the Hugging Face Llama formulation, in the input dtype
+    c = torch.cat([cos, cos], -1)[:, None, :].to(x.dtype)
+    s = torch.cat([sin, sin], -1)[:, None, :].to(x.dtype)
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return x * c + torch.cat([-x2, x1], -1) * s
+
+
+def bench_memory_bound(copy_gbs):
+    tokens, hidden = 16384, 4096
+    x = torch.randn(tokens, hidden, device=DEV, dtype=BF16, requires_grad=True)
+    w = torch.ones(hidden, device=DEV, dtype=BF16, requires_grad=True)
+    b = torch.zeros(hidden, device=DEV, dtype=BF16, requires_grad=True)
+    gy = torch.randn_like(x)
+    cases = {
+        "layer_norm": {"tpflash": lambda: layer_norm(x, w, b),
+                       "eager": lambda: F.layer_norm(x, (hidden,), w, b),
+                       "compile": torch.compile(lambda: F.layer_norm(x, (hidden,), w, b))},
+        "rms_norm": {"tpflash": lambda: rms_norm(x, w), "eager": lambda: _rms_eager(x, w),
+                     "compile": torch.compile(lambda: _rms_eager(x, w))},
+    }
+    xr = torch.randn(4, 4096, 32, 128, device=DEV, dtype=BF16, requires_grad=True)
+    ang = torch.rand(4096, 64, device=DEV)
+    cos, sin = ang.cos(), ang.sin()
+    cases["rotary"] = {"tpflash": lambda: apply_rotary(xr, cos, sin),
+                       "eager": lambda: _rotate_half_eager(xr, cos, sin),
+                       "compile": torch.compile(lambda: _rotate_half_eager(xr, cos, sin))}
+    logits = torch.randn(4096, 128256, device=DEV, dtype=BF16, requires_grad=True)
+    target = torch.randint(0, 128256, (4096,), device=DEV)
+    cases["cross_entropy"] = {"tpflash": lambda: vocab_parallel_cross_entropy(logits, target),
+                              "eager": lambda: F.cross_entropy(logits.float(), target),
+                              "compile": torch.compile(lambda: F.cross_entropy(logits.float(), target))}
+    for kind, impls in cases.items():
+        inp = {"rotary": xr, "cross_entropy": logits}.get(kind, x)
+        size = inp.numel() * 2
+        for name, fn in impls.items():
+            with torch.no_grad():
+                t_f = timed(fn)
+            out = fn()
+            g = torch.ones((), device=DEV) if out.dim() == 0 else torch.randn_like(out)
+            t_fb = timed(fwd_bwd(fn, [inp, w, b], g))
+            fwd_bytes = size * (1 if kind == "cross_entropy" else 2)  # CE reads the logits; others read + write
+            bwd_bytes = size * (2 if kind in ("cross_entropy", "rotary") else 3)  # (x,) dy -> dx
+            row(kind, f"{tuple(inp.shape)} bf16", name, fwd_bytes / t_f / 1e6, (fwd_bytes + bwd_bytes) / t_fb / 1e6,
+                f"GB/s fwd / fwd+bwd (copy {copy_gbs:.0f})")
+
+
+def bench_fused_linear_ce(tokens=16384, hidden=4096, vocab=128256):
+    h = torch.randn(tokens, hidden, device=DEV, dtype=BF16, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device=DEV) / 64).to(BF16).requires_grad_()
+    t = torch.randint(0, vocab, (tokens,), device=DEV)
+    impls = {"naive": lambda: F.cross_entropy((h @ w.t()).float(), t),
+             "tpflash fused": lambda: fused_linear_cross_entropy(h, w, t)}
+    for name, fn in impls.items():
+        step = fwd_bwd(fn, [h, w], torch.ones((), device=DEV))
+        step()
+        torch.cuda.synchronize()
+        h.grad = w.grad = None
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        row("linear+CE", f"tokens{tokens} hidden{hidden} vocab{vocab} bf16", name, timed(step, rep=300), peak,
+            "ms fwd+bwd / peak extra GiB (incl. grads)")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="attention at seq 4096 and hd 128 only")
+    args = p.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    print("| kernel | config | impl | value A | value B | unit |\n|---|---|---|---|---|---|", flush=True)
+    bench_attention([4096] if args.quick else [1024, 4096, 16384], [128] if args.quick else [128, 64])
+    copy_gbs = bench_copy()
+    bench_memory_bound(copy_gbs)
+    bench_fused_linear_ce()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
