@@ -24,10 +24,11 @@ def save_body(root):
 
 
 def resume_body(root, tp, fsdp, saved, final):
+    """Resume at tp (dp = the rest); fsdp: 0 none, n: FSDP with n HSDP replicas (1: plain FSDP)."""
     ps = init_tp(tp)
     model = build(seed=1)  # different weights: the load must overwrite all of them
     if fsdp:
-        model = tpflash.parallel.apply_fsdp(model, ps)
+        model = tpflash.parallel.apply_fsdp(model, ps, hsdp_replicas=fsdp)
     optimizer = make_optimizer(model)
     info = tpflash.checkpoint.load(root, model, optimizer)
     assert info == {"step": SAVE_AT, "data_position": SAVE_AT * 8}, info
@@ -54,8 +55,8 @@ def test_fsdp_tp_checkpoint_commits_step_directory(saved_run):
     assert tpflash.checkpoint.latest(root).endswith(f"step_{SAVE_AT}")
 
 
-@pytest.mark.parametrize("world,tp,fsdp", [(1, 1, False), (4, 4, False), (4, 1, True)],
-                         ids=["dp1-tp1", "dp1-tp4", "dp4-tp1-fsdp"])
+@pytest.mark.parametrize("world,tp,fsdp", [(1, 1, 0), (4, 4, 0), (4, 1, 1), (4, 1, 2)],
+                         ids=["dp1-tp1", "dp1-tp4", "dp4-tp1-fsdp", "dp4-tp1-hsdp2x2"])
 def test_resume_at_other_layout_restores_state_and_continues_like_original(ranks, saved_run, world, tp, fsdp):
     root, saved, final = saved_run
     ranks(world).run(resume_body, root, tp, fsdp, saved, final)
