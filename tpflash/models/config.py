@@ -42,7 +42,8 @@ class GPTConfig:
     8/3*n_embd rounded up to a multiple of 256 (Llama's rule). mlp "gelu" is the tanh
     approximation GPT-2 uses. dropout applies to the embeddings and both residual branches (not
     to attention probabilities). activation_checkpointing: False, True/"full" (whole blocks) or
-    "mlp" (the MLPs only). fused_loss: use tpflash.losses.fused_linear_cross_entropy when it exists.
+    "mlp" (the MLPs only). fused_loss: the loss through tpflash.losses.fused_linear_cross_entropy
+    (token-chunked; the full logits never exist), else logits + vocab_parallel_cross_entropy.
     init_std: std of the normal init (residual output projections get init_std/sqrt(2*n_layer)).
     seed: seeds the model's dropout RNG tracker (tpflash.parallel.random).
     """

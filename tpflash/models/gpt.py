@@ -7,6 +7,7 @@ Layout through the model: ids [batch, seq] -> embeddings [seq, batch, hidden] (s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, Optional
 
@@ -20,9 +21,19 @@ from ..layers.attention import column_input
 from ..parallel import comm
 from ..parallel.random import RNGTracker
 from ..parallel.sharding import iter_sharded
-from ..parallel.state import get_default_state, group_rank, group_size, resolve_tp_group
+from ..parallel.state import get_default_state, group_rank, group_size, resolve_tp_group, set_default_state
 from .config import GPTConfig
 from .generate import generate
+
+
+@contextlib.contextmanager
+def _no_default_group():
+    saved = get_default_state()
+    set_default_state(None)
+    try:
+        yield
+    finally:
+        set_default_state(saved)
 
 
 def _normal(std: float):
@@ -135,13 +146,15 @@ class GPT(nn.Module):
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         target = targets.t()  # [seq, batch], the logits' token order
-        fused = getattr(losses, "fused_linear_cross_entropy", None)
-        if self.config.fused_loss and fused is not None:
-            x = column_input(h, self.process_group, self.sequence_parallel)  # [seq, batch, hidden]
-            return fused(x, self.head_weight, target, process_group=self.process_group,
-                         vocab_size=self.config.vocab_size)
-        return losses.vocab_parallel_cross_entropy(self._logits(h), target, self.process_group,
-                                                   vocab_size=self.config.vocab_size)
+        # The losses read process_group=None as "the default tp group"; a tp=1 model means none.
+        scope = _no_default_group() if self.process_group is None else contextlib.nullcontext()
+        with scope:
+            if self.config.fused_loss:  # gathers h itself and never holds all the logits
+                return losses.fused_linear_cross_entropy(h, self.head_weight, target, self.process_group,
+                                                         vocab_size=self.config.vocab_size,
+                                                         sequence_parallel=self.sequence_parallel)
+            return losses.vocab_parallel_cross_entropy(self._logits(h), target, self.process_group,
+                                                       vocab_size=self.config.vocab_size)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._check_input(idx, targets)
