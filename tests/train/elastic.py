@@ -1,0 +1,54 @@
+"""Launching the real entry point under torchrun for the end-to-end tests (subprocesses, CPU ranks)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A one-layer GPT small enough that a torchrun launch is dominated by start-up.
+TINY_GPT = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
+            "--data.seq_len=16", "--data.eval_fraction=0.1", "--train.batch_size=4", "--train.lr=1e-2",
+            "--train.warmup_steps=2", "--train.eval_batches=1", "--log.interval=1", "--log.progress=lines",
+            "--seed=3"]
+
+
+def env(**extra: str) -> Dict[str, str]:
+    out = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out.pop("TPFLASH_FAULT", None)
+    out.update(extra)
+    return out
+
+
+def torchrun(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 240,
+             fault: Optional[str] = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc -m tpflash.train args`; raises with the output on failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "tpflash.train", *args]
+    extra = {"TPFLASH_FAULT": fault} if fault else {}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the session this call started
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-4000:]}\n{err[-4000:]}")
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-4000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def records(log_dir: str, kind: str = "train") -> List[dict]:
+    """The metric records of `kind` in log_dir/metrics.jsonl, in the order written."""
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def last_loss_by_step(log_dir: str) -> Dict[int, float]:
+    """{step: loss}; a step logged twice (by a run and by its restart) keeps the later value."""
+    return {r["step"]: r["loss"] for r in records(log_dir)}
