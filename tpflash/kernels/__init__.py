@@ -6,6 +6,7 @@ variable TPFLASH_KERNELS picks the implementation (auto: Triton on CUDA, referen
 """
 from .attention import flash_attention
 from .dispatch import BACKENDS, requested_backend, use_backend
+from .fused_dense import FusedDense, FusedDenseGeluDense, fused_dense, fused_dense_gelu_dense  # noqa: F401
 from .norm import layer_norm, rms_norm
 from .rotary import apply_rotary
 
