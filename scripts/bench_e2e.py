@@ -1,0 +1,343 @@
+"""End-to-end GPT training throughput: tpflash vs plain PyTorch vs PyTorch-native DTensor TP, one table.
+
+Run under torchrun (one process per GPU; tp = --tp, dp = world/tp):
+    torchrun --nproc_per_node=2 scripts/bench_e2e.py --tp 2 --models gpt-1.3b,gpt-2.7b
+    python scripts/bench_e2e.py --tiny          # CPU/gloo smoke test: never report its timings
+Every implementation trains the same GPT-2-style model (learned positions, LayerNorm, GELU-tanh,
+tied embeddings, biases) with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
+  tpflash[-nooverlap]   tpflash.models.GPT: SP under tp>1, Triton kernels, fused linear+CE loss,
+                        collectives pipelined with the GEMMs (or TPFLASH overlap off)
+  plain[-compile]       a GPT written the way users write it (nn.Linear, SDPA, F.cross_entropy), tp=1
+  dtensor[-compile]     the plain GPT under parallelize_module (Colwise/Rowwise/SequenceParallel,
+                        loss_parallel), as torchtitan does it, tp>1
+Compiled variants compile each block (and, for plain, the head + loss), as torchtitan does.
+Each row is appended as JSON to --results; the table printed at the end covers every row there, so a
+tp=2 run after a tp=1 run shows both and the TP scaling efficiency (tokens/s/GPU at tp=N over the
+same implementation at tp=1; dtensor is compared with plain). MFU uses 6N + 12*L*d*seq FLOPs/token
+against --peak-tflops (989, H100/H200 dense bf16).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tpflash  # noqa: E402
+from tpflash.models import GPT, GPTConfig  # noqa: E402
+from tpflash.parallel import overlap  # noqa: E402
+
+MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560, layers=32, heads=32),
+          "tiny": dict(d=64, layers=2, heads=4)}
+IMPLS = ("tpflash", "tpflash-nooverlap", "plain", "plain-compile", "dtensor", "dtensor-compile")
+BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile": "plain-compile"}
+
+
+# ---- the plain-PyTorch GPT (batch-first, as users write it) ----------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.head_dim = d // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):  # [b, s, d]
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # heads = local heads under TP
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d)
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class PlainGPT(nn.Module):
+    def __init__(self, d: int, layers: int, heads: int, vocab: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.norm, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.tok.weight
+        for name, p in self.named_parameters():  # GPT-2's init (a sane starting loss of ~ln V)
+            nn.init.normal_(p, std=0.02) if p.dim() == 2 else None
+        self.step_context = contextlib.nullcontext  # loss_parallel (forward and backward) under DTensor TP
+
+    def head_loss(self, x, targets):
+        logits = self.lm_head(self.norm(x))  # [b, s, V] (DTensor sharded on V under TP)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head_loss(x, targets)
+
+
+def compile_blocks(model: nn.Module) -> None:
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block)
+
+
+def dtensor_tp(model: PlainGPT, mesh) -> PlainGPT:
+    """Megatron-style TP + SP with PyTorch's own API (torchtitan's plan for a GPT-2 block)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, loss_parallel, parallelize_module)
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    parallelize_module(model, mesh, {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+    model.lm_head.weight = model.tok.weight  # re-tie: both are Shard(0) over the vocabulary
+    for block in model.blocks:
+        parallelize_module(block, mesh, {
+            "ln1": SequenceParallel(), "attn": gather, "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(), "fc": ColwiseParallel(input_layouts=Shard(1)),
+            "proj": RowwiseParallel(output_layouts=Shard(1))})
+    model.step_context = loss_parallel
+    return model
+
+
+# ---- building and timing one configuration ---------------------------------------------------------
+
+def build(impl: str, shape: dict, args, ps):
+    """(model, loss_fn(idx, targets), context for forward + backward) for one implementation."""
+    d, layers, heads = shape["d"], shape["layers"], shape["heads"]
+    if impl.startswith("tpflash"):
+        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=d,
+                        sequence_parallel=ps.tp_size > 1, fused_loss=True)
+        model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
+        on = impl == "tpflash"
+        return model, lambda idx, tgt: _with_overlap(on, model, idx, tgt), contextlib.nullcontext
+    with torch.device(ps.device):
+        model = PlainGPT(d, layers, heads, args.vocab, args.seq)
+    if impl.startswith("dtensor"):
+        model = dtensor_tp(model, ps.tp_mesh)
+    if impl.endswith("compile"):
+        compile_blocks(model)
+        if impl.startswith("plain"):
+            model.head_loss = torch.compile(model.head_loss)
+    return model, model, model.step_context
+
+
+def _with_overlap(on: bool, model, idx, targets):
+    with overlap.overlap_comm(on):
+        return model(idx, targets)
+
+
+def make_optimizer(model: nn.Module, device: torch.device):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if device.type != "cuda":
+        return torch.optim.AdamW(params, lr=1e-4)
+    try:  # fused AdamW; DTensor parameters fall back to foreach where fused is unsupported
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def time_steps(loss_fn, step_context, opt, args, ps):
+    """Median seconds per optimizer step after warm-up, and the first timed step's loss."""
+    gen = torch.Generator().manual_seed(1234 + ps.dp_rank)  # same batch on all tp ranks of a dp rank
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(ps.device)
+    inputs, targets = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    amp = (torch.autocast(ps.device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+           else contextlib.nullcontext())
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        _sync(ps.device)
+        t0 = time.perf_counter()
+        with step_context():
+            with amp:
+                loss = loss_fn(inputs, targets)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(ps.device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            loss = loss.detach()
+            losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+    return statistics.median(times), losses[0]
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_config(model_name: str, impl: str, args, ps) -> dict:
+    shape = MODELS[model_name]
+    row = dict(model=model_name, impl=impl, tp=ps.tp_size, dp=ps.dp_size, device=_device_name(ps.device))
+    if ps.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ps.device)
+    model = opt = None
+    try:
+        torch.manual_seed(0)
+        model, loss_fn, step_context = build(impl, shape, args, ps)
+        opt = make_optimizer(model, ps.device)
+        step_s, loss = time_steps(loss_fn, step_context, opt, args, ps)
+        tok_gpu = args.batch * args.seq / ps.tp_size / step_s
+        row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu, loss=loss,
+                   mfu=tok_gpu * flops_per_token(shape, args) / (args.peak_tflops * 1e12),
+                   peak_gib=_peak_gib(ps.device))
+    except Exception as exc:  # one failing configuration must not kill the table
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+    finally:
+        del model, opt
+        gc.collect()
+        torch._dynamo.reset()
+        if ps.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def flops_per_token(shape: dict, args) -> float:
+    """6 * matmul parameters (blocks + output head) + 12 * L * d * seq for attention (PaLM)."""
+    d, layers = shape["d"], shape["layers"]
+    return 6.0 * (12 * layers * d * d + args.vocab * d) + 12.0 * layers * d * args.seq
+
+
+def _peak_gib(device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
+def _device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def collectives_alone(model_name: str, args, ps) -> dict:
+    """Time the SP all-gather and reduce-scatter of one [seq/tp, batch, d] bf16 activation with nothing
+    else running: the communication a step would expose if none of it were overlapped (per layer, 4 of
+    each: forward gather+scatter for attention and MLP, and their duals in backward)."""
+    shape = MODELS[model_name]
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    x = torch.randn(args.seq // ps.tp_size, args.batch, shape["d"], device=ps.device, dtype=dtype)
+    ag_ms = _median_ms(lambda: tpflash.parallel.comm.all_gather(x, 0, ps.tp_group), ps)
+    full = torch.randn(args.seq, args.batch, shape["d"], device=ps.device, dtype=dtype)
+    rs_ms = _median_ms(lambda: tpflash.parallel.comm.reduce_scatter(full, 0, ps.tp_group), ps)
+    per_step = 4 * shape["layers"] * (ag_ms + rs_ms) + ag_ms + rs_ms  # + the head's gather
+    return dict(model=model_name, impl="collectives-alone", tp=ps.tp_size, dp=ps.dp_size,
+                device=_device_name(ps.device), step_ms=per_step,
+                note=f"all-gather {ag_ms:.3f} ms, reduce-scatter {rs_ms:.3f} ms per activation; "
+                     f"step_ms = {4 * shape['layers'] + 1} x (both), nothing overlapped")
+
+
+def _median_ms(fn, ps, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        _sync(ps.device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(ps.device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+# ---- the table -------------------------------------------------------------------------------------
+
+def table(rows: list) -> str:
+    """Markdown table of every row, with TP scaling efficiency against the tp=1 row of the baseline impl."""
+    tp1 = {(r["model"], r["impl"]): r["tok_s_gpu"] for r in rows if r["tp"] == 1 and "tok_s_gpu" in r}
+    order = {name: i for i, name in enumerate(IMPLS + ("collectives-alone",))}
+    rows = sorted(rows, key=lambda r: (r["model"], r["tp"], order.get(r["impl"], 99)))
+    lines = ["| model | impl | tp x dp | tokens/s/GPU | MFU | step ms | peak GiB | TP eff. | note |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            cells = ["", "", "", "", "", "error: " + r["error"]]
+        elif "tok_s_gpu" not in r:
+            cells = ["", "", f"{r['step_ms']:.1f}", "", "", r.get("note", "")]
+        else:
+            base = tp1.get((r["model"], BASELINE.get(r["impl"], r["impl"]) if r["tp"] > 1 else r["impl"]))
+            eff = f"{r['tok_s_gpu'] / base:.2f}" if base else ""
+            cells = [f"{r['tok_s_gpu']:,.0f}", f"{r['mfu']:.3f}", f"{r['step_ms']:.1f}",
+                     f"{r['peak_gib']:.1f}", eff, f"loss {r['loss']:.3f}"]
+        lines.append("| " + " | ".join([r["model"], r["impl"], f"{r['tp']}x{r['dp']}"] + cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size)")
+    p.add_argument("--models", default="gpt-1.3b,gpt-2.7b", help=f"comma list of {sorted(MODELS)}")
+    p.add_argument("--impls", default=None, help=f"comma list of {IMPLS} (default: tp=1: tpflash, plain, "
+                                                 "plain-compile; tp>1: tpflash, tpflash-nooverlap, dtensor*)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4, help="sequences per step per dp rank")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--no-comm-probe", action="store_true", help="skip timing the collectives alone")
+    p.add_argument("--results", default="bench_e2e.jsonl", help="JSON lines, appended; the table covers all")
+    p.add_argument("--table", default=None, help="also write the markdown table here")
+    p.add_argument("--tiny", action="store_true", help="tiny model, a few steps: a CPU/gloo smoke test")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.models, args.vocab, args.seq, args.batch = "tiny", 512, 64, 2
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ps = tpflash.parallel.init(tp=args.tp or world)
+    args.dtype = args.dtype or ("bf16" if ps.device.type == "cuda" else "fp32")
+    default = "tpflash,plain,plain-compile" if ps.tp_size == 1 else "tpflash,tpflash-nooverlap,dtensor,dtensor-compile"
+    impls = (args.impls or default).split(",")
+    for name in impls + args.models.split(","):
+        if name not in IMPLS and name not in MODELS:
+            raise ValueError(f"{name!r} is neither an implementation {IMPLS} nor a model {sorted(MODELS)}")
+    rows = []
+    for model_name in args.models.split(","):
+        todo = [None] if ps.tp_size > 1 and not args.no_comm_probe else []
+        for impl in todo + impls:
+            if ps.rank == 0:
+                print(f"[bench_e2e] {model_name} {impl or 'collectives-alone'} tp={ps.tp_size}", flush=True)
+            rows.append(run_config(model_name, impl, args, ps) if impl else collectives_alone(model_name, args, ps))
+            if ps.rank == 0:
+                print(f"[bench_e2e]   {json.dumps(rows[-1])}", flush=True)
+                with open(args.results, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
+    if ps.rank == 0:
+        with open(args.results) as f:
+            everything = [json.loads(line) for line in f if line.strip()]
+        text = table(everything)
+        print(text, flush=True)
+        if args.table:
+            with open(args.table, "w") as f:
+                f.write(text + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
