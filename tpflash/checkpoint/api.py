@@ -22,7 +22,8 @@ from .blob import from_blob, to_blob
 from .directory import latest
 from .extras import (CONFIG_FILE, META_KEY, RNG_PREFIX, meta_for_save, model_config, restore_extras, rng_state,
                      set_rng_state, split_meta_keys)
-from .layout import MODEL_PREFIX, MeshCache, model_slots
+from .layout import MODEL_PREFIX, model_slots
+from .planner import ChunkLoadPlanner, ChunkSavePlanner
 from .staging import PendingSave, async_group, stage_to_host
 
 __all__ = ["save", "load", "latest", "wait_pending"]
@@ -84,8 +85,8 @@ def _layout() -> Dict[str, int]:
 
 def _state_for_save(model, optimizer, step: int, extras: dict) -> dict:
     """The flat DCP state dict (collective under FSDP and for tp meshes: call on every rank)."""
-    slots = model_slots(model, MeshCache())
-    state = {s.key: s.for_save() for s in slots}
+    slots = model_slots(model)
+    state = {s.key: s.chunk() for s in slots}
     if optimizer is not None:
         state.update(optim.state_for_save(model, optimizer, slots))
     rank = _rank_world()[0]
@@ -100,7 +101,8 @@ def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Opti
     rank = _rank_world(group)[0]
     tmp = directory.tmp_dir(root, step)
     _on_rank0(lambda: directory.prepare_tmp(root, step), group)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group, no_dist=_no_dist())
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkSavePlanner(), process_group=group,
+             no_dist=_no_dist())
     gathered = _all_gather(integrity.hash_files(tmp, integrity.own_files(tmp, rank)), group)
 
     def finish():
@@ -181,10 +183,9 @@ def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     integrity.verify(path, rank, world, _all_gather if world > 1 else None)
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
-    slots = model_slots(model, MeshCache())
+    slots = model_slots(model)
     _check_model_keys(slots, metadata, path)
-    buffers = {s.key: s.load_buffer() for s in slots}
-    targets: Dict[str, object] = {s.key: s.as_global(buffers[s.key]) for s in slots}
+    targets: Dict[str, object] = {s.key: s.chunk(zero_padding=True) for s in slots}  # views: loaded in place
     pending = None
     if optimizer is not None:
         if optim.GROUPS_KEY not in metadata.state_dict_metadata:
@@ -197,9 +198,8 @@ def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     targets[META_KEY] = None
     if rank in rng_keys:
         targets[rng_keys[rank]] = None
-    dcp.load(targets, storage_reader=reader, no_dist=_no_dist())
-    for slot in slots:
-        slot.write_back(buffers[slot.key])
+    with torch.no_grad():
+        dcp.load(targets, storage_reader=reader, planner=ChunkLoadPlanner(), no_dist=_no_dist())
     if optimizer is not None:
         optim.apply_loaded(model, optimizer, targets, pending)
     meta = from_blob(targets[META_KEY])

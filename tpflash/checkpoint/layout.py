@@ -1,139 +1,133 @@
-"""How one tensor of a tp (+ FSDP) model appears in a checkpoint: as its *unsharded* tensor.
+"""How one tensor of a tp (+ FSDP) model appears in a checkpoint: as blocks of its *unsharded* tensor.
 
-A tp-sharded tensor (a module's `tp_shard_specs`) is written as a DTensor on the tp mesh with
-placement Shard(spec.dim) over the unpadded global shape: rank r contributes the real rows of
-its block, padding dropped. Replicated tensors are plain tensors. Every dp replica offers the
-same chunks and DCP's planner writes each once; DCP's load reads whatever chunks overlap the
-loading rank's block, so any (dp, tp), including a different vocabulary padding, reshards.
+In DCP's metadata every tensor has its unsharded (unpadded) shape, and each rank contributes
+one rectangular `Chunk` of it: the real (non-padding) part of what it holds.
 
-Under FSDP a tensor is a DTensor sharded over dp; the checkpoint first gathers it over dp
-(`full_tensor()`), so each rank briefly holds its whole tp-local tensor (1/tp of the model,
-and of each optimizer moment) at save and at load. Loading writes back only the rank's dp
-slice of that buffer.
+- tp: rank r holds block r of dim `spec.dim` (torch.chunk layout, zero-padded, sharding.py);
+  its chunk starts at r * ceil(full / tp) and drops the padding.
+- FSDP / HSDP: each tp-local tensor is further split over dp by FSDP2 (torch.chunk along dim
+  0, per its DTensor placements); the chunk is the rank's dp block of its tp block, still a
+  rectangle of the unsharded tensor. No gather over dp, no extra memory: the chunk is a view
+  of the live tensor, DCP writes from it and loads straight into it.
+- Replicas (dp without FSDP, tp-replicated tensors, HSDP replicas) offer identical chunks;
+  DCP's planner writes each once.
+
+Loading reads whatever saved chunks overlap the loading rank's chunk, so any (dp, tp, FSDP),
+including a different vocabulary padding, reshards.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
 
 from ..parallel.sharding import ShardSpec, iter_sharded
-from ..parallel.state import get_default_state
+from ..parallel.state import group_rank, group_size
 
 MODEL_PREFIX = "model."
 
 
-def contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for size in reversed(list(shape)):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
+@dataclass
+class Chunk:
+    """`piece` (a tensor, often a view of a live one) is the block at `offsets` of a tensor of `shape`."""
+
+    piece: torch.Tensor
+    offsets: Tuple[int, ...]
+    shape: torch.Size
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def chunk_list(self) -> List[ChunkStorageMetadata]:
+        if self.piece.numel() == 0:
+            return []
+        return [ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.piece.shape)]
+
+    def write_items(self, fqn: str) -> List[WriteItem]:
+        """DCP write items (none for an empty piece, unless the whole tensor is empty)."""
+        if self.piece.numel() == 0 and math.prod(self.shape) != 0:
+            return []
+        chunk = ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.piece.shape)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(self.offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(
+                              self.piece), size=self.shape))]
+
+    def to_host(self) -> "Chunk":
+        return Chunk(self.piece.detach().to("cpu", copy=True), self.offsets, self.shape)
 
 
-class MeshCache:
-    """The tp DeviceMesh of each process group a model uses (the default state's mesh when it matches)."""
-
-    def __init__(self):
-        self._meshes: Dict[int, DeviceMesh] = {}
-
-    def mesh_for(self, group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[DeviceMesh]:
-        if group is None or dist.get_world_size(group) == 1:
-            return None  # tp = 1: the local tensor is the whole tensor
-        if id(group) not in self._meshes:
-            ps = get_default_state()
-            if ps is not None and ps.tp_group is group:
-                self._meshes[id(group)] = ps.tp_mesh
-            else:
-                self._meshes[id(group)] = DeviceMesh.from_group(group, device.type)
-        return self._meshes[id(group)]
-
-
-def dp_gathered(t: torch.Tensor) -> torch.Tensor:
-    """This tp rank's whole local tensor: an FSDP DTensor is all-gathered over dp (collective)."""
-    return t.full_tensor().detach() if isinstance(t, DTensor) else t.detach()
-
-
-def local_shape(t: torch.Tensor) -> torch.Size:
-    """Shape of `dp_gathered(t)` without gathering (an FSDP DTensor's global shape is the tp-local one)."""
-    return t.shape
-
-
-def own_dp_piece(tp_local: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """The part of a tp-local tensor that this rank holds under `like`'s dp placements (torch.chunk layout)."""
-    coord = like.device_mesh.get_coordinate()
-    piece = tp_local
-    for mesh_dim, placement in enumerate(like.placements):
-        if isinstance(placement, Shard):
-            dim, n = placement.dim, like.device_mesh.size(mesh_dim)
-            start, end = ShardSpec(dim, piece.shape[dim]).local_range(coord[mesh_dim], n)
-            piece = piece.narrow(dim, start, end - start)
-    return piece
+def _dp_block(like: torch.Tensor) -> Tuple[List[int], List[int]]:
+    """(offsets, sizes) of this rank's dp block within its tp-local tensor (FSDP DTensor placements)."""
+    sizes, offsets = list(like.shape), [0] * like.dim()
+    if isinstance(like, DTensor):
+        coord = like.device_mesh.get_coordinate()
+        for mesh_dim, placement in enumerate(like.placements):
+            if isinstance(placement, Shard):
+                d = placement.dim
+                start, end = ShardSpec(d, sizes[d]).local_range(coord[mesh_dim], like.device_mesh.size(mesh_dim))
+                offsets[d] += start
+                sizes[d] = end - start
+    return offsets, sizes
 
 
 @dataclass
 class TensorSlot:
-    """One checkpoint entry: `key` in the checkpoint, `target` the live tensor (plain or FSDP DTensor)."""
+    """One checkpoint entry: `key`, the live tensor `target` (plain or FSDP DTensor) and its tp layout."""
 
     key: str
     target: torch.Tensor
     spec: Optional[ShardSpec] = None
-    mesh: Optional[DeviceMesh] = None
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @property
     def global_shape(self) -> torch.Size:
-        """The unsharded shape written to the checkpoint."""
-        shape = list(local_shape(self.target))
-        if self.mesh is not None:
+        """The unsharded shape written to the checkpoint (the tp-local shape is the FSDP DTensor's shape)."""
+        shape = list(self.target.shape)
+        if self.spec is not None:
             shape[self.spec.dim] = self.spec.full_size
         return torch.Size(shape)
 
-    def as_global(self, tp_local: torch.Tensor) -> torch.Tensor:
-        """`tp_local` (this rank's padded tp block) as a tensor of `global_shape` (DTensor under tp)."""
-        if self.mesh is None:
-            return tp_local
-        start, end = self.spec.local_range(self.mesh.get_local_rank(), self.mesh.size())
-        piece = tp_local.narrow(self.spec.dim, 0, end - start)
-        return DTensor.from_local(piece, self.mesh, [Shard(self.spec.dim)], run_check=False,
-                                  shape=self.global_shape, stride=contiguous_stride(self.global_shape))
-
-    def for_save(self) -> torch.Tensor:
-        return self.as_global(dp_gathered(self.target))
-
-    def load_buffer(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """A zeroed tp-local buffer for DCP to load into (padding rows stay zero)."""
+    def local_like(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A zeroed tensor shaped like what this rank stores of `target` (its dp block under FSDP)."""
         local = self.target.to_local() if isinstance(self.target, DTensor) else self.target
-        return torch.zeros(local_shape(self.target), dtype=dtype or self.target.dtype, device=local.device)
+        return torch.zeros(local.shape, dtype=dtype or local.dtype, device=local.device)
 
-    def dp_local(self, tp_local: torch.Tensor) -> torch.Tensor:
-        """What this rank stores of `tp_local`: its dp slice under FSDP, else all of it."""
-        if isinstance(self.target, DTensor):
-            return own_dp_piece(tp_local, self.target)
-        return tp_local
+    def chunk(self, local: Optional[torch.Tensor] = None, zero_padding: bool = False) -> Chunk:
+        """The chunk of `local` (default: the live tensor's storage), laid out like `target`.
 
-    def write_back(self, tp_local: torch.Tensor) -> None:
-        """Copy a loaded tp-local buffer into the live tensor (its own dp slice under FSDP)."""
-        piece = self.dp_local(tp_local)
-        dest = self.target.to_local() if isinstance(self.target, DTensor) else self.target
-        if dest.shape != piece.shape:
-            raise RuntimeError(f"{self.key}: internal layout error, dp slice {tuple(piece.shape)} != "
-                               f"local tensor {tuple(dest.shape)}")
-        with torch.no_grad():
-            dest.copy_(piece)
+        `zero_padding` zeroes the rows past the unpadded size in place (for loads: they stay zero).
+        """
+        if local is None:
+            local = self.target.to_local() if isinstance(self.target, DTensor) else self.target
+        local = local.detach()
+        offsets, sizes = _dp_block(self.target)
+        if list(local.shape) != sizes:
+            raise RuntimeError(f"{self.key}: layout error, local tensor {tuple(local.shape)} != dp block {sizes}")
+        if self.spec is not None:
+            d = self.spec.dim
+            start, end = self.spec.local_range(self.tp_rank, self.tp_size)
+            real = max(0, min(sizes[d], (end - start) - offsets[d]))
+            if real < sizes[d] and zero_padding:
+                with torch.no_grad():
+                    local.narrow(d, real, sizes[d] - real).zero_()
+            local = local.narrow(d, 0, real)
+            offsets[d] += start
+        return Chunk(local, tuple(offsets), self.global_shape)
 
 
-def model_slots(model: nn.Module, meshes: MeshCache) -> List[TensorSlot]:
+def model_slots(model: nn.Module) -> List[TensorSlot]:
     """A slot per state-dict entry of `model` (parameters and persistent buffers), in state-dict order."""
     sharded = {key: (spec, group) for key, spec, group in iter_sharded(model)}
     slots = []
     for key, tensor in model.state_dict(keep_vars=True).items():
         spec, group = sharded.get(key, (None, None))
-        device = tensor.device
-        mesh = meshes.mesh_for(group, device) if spec is not None else None
-        slots.append(TensorSlot(MODEL_PREFIX + key, tensor, spec if mesh is not None else None, mesh))
+        tp = group_size(group) if spec is not None else 1
+        slots.append(TensorSlot(MODEL_PREFIX + key, tensor, spec if tp > 1 else None, group_rank(group), tp))
     return slots

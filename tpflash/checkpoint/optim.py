@@ -2,8 +2,8 @@
 
 `torch.optim` keys state by parameter index, which changes when the model is re-laid out;
 names do not. In the checkpoint, "optim.state.<param name>.<state key>" holds a tensor shaped
-like the parameter (AdamW's exp_avg, exp_avg_sq) as an unsharded tensor exactly like the
-parameter itself (see layout.py); other tensors (AdamW's scalar `step`) are plain replicated
+like the parameter (AdamW's exp_avg, exp_avg_sq) is stored unsharded, in chunks exactly like
+the parameter itself (see layout.py); other tensors (AdamW's scalar `step`) are plain replicated
 tensors; anything else is pickled. "optim.param_groups" holds the hyper-parameters, with
 parameter names in place of indices.
 """
@@ -52,9 +52,9 @@ def state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer,
         name = index_to_name[index]
         for k, value in state.items():
             key = f"{STATE_PREFIX}{name}.{k}"
-            if torch.is_tensor(value) and value.shape == params[name].target.shape:
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape == params[name].target.shape:
                 slot = params[name]
-                out[key] = TensorSlot(key, value, slot.spec, slot.mesh).for_save()
+                out[key] = TensorSlot(key, value, slot.spec, slot.tp_rank, slot.tp_size).chunk()
             elif isinstance(value, DTensor):
                 out[key] = value.full_tensor()
             else:
@@ -96,10 +96,10 @@ def load_targets(model: nn.Module, optimizer: torch.optim.Optimizer, model_slots
             if not isinstance(meta, TensorStorageMetadata):
                 targets[key] = None  # pickled; DCP replaces it in place
                 pending.append((name, k, None, None))
-            elif meta.size == slot.global_shape:
-                like = TensorSlot(key, slot.target, slot.spec, slot.mesh)
-                buffer = like.load_buffer(meta.properties.dtype)
-                targets[key] = like.as_global(buffer)
+            elif len(meta.size) > 0 and meta.size == slot.global_shape:
+                like = TensorSlot(key, slot.target, slot.spec, slot.tp_rank, slot.tp_size)
+                buffer = like.local_like(meta.properties.dtype)
+                targets[key] = like.chunk(buffer)
                 pending.append((name, k, like, buffer))
             else:
                 targets[key] = torch.zeros(meta.size, dtype=meta.properties.dtype)
@@ -121,11 +121,10 @@ def apply_loaded(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: Dic
     for name, k, slot, buffer in pending:
         value = loaded[f"{STATE_PREFIX}{name}.{k}"]
         if slot is not None:
-            piece = slot.dp_local(buffer)
-            if isinstance(slot.target, DTensor):
-                piece = DTensor.from_local(piece, slot.target.device_mesh, slot.target.placements, run_check=False,
+            value = buffer
+            if isinstance(slot.target, DTensor):  # the FSDP parameter's layout, so the optimizer can use it
+                value = DTensor.from_local(buffer, slot.target.device_mesh, slot.target.placements, run_check=False,
                                            shape=slot.target.shape, stride=slot.target.stride())
-            value = piece
         state.setdefault(index[name], {})[k] = value
     param_groups = [{**{k: v for k, v in s.items() if k != "params"}, "params": [index[n] for n in g]}
                     for s, g in zip(saved_groups, groups)]

@@ -11,8 +11,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+
+from .layout import Chunk
 
 _groups: Dict[int, tuple] = {}  # id(default group) -> (default group, its gloo twin)
 
@@ -29,21 +29,10 @@ def async_group() -> Optional[dist.ProcessGroup]:
 
 
 def stage_to_host(state: dict) -> dict:
-    """A copy of `state` whose tensors live in host memory (DTensors keep their layout on a CPU mesh)."""
-    cpu_meshes: Dict[int, DeviceMesh] = {}
-
-    def cpu_mesh(mesh: DeviceMesh) -> DeviceMesh:
-        if mesh.device_type == "cpu":
-            return mesh
-        if id(mesh) not in cpu_meshes:
-            cpu_meshes[id(mesh)] = DeviceMesh.from_group(mesh.get_group(), "cpu")
-        return cpu_meshes[id(mesh)]
-
+    """A copy of `state` whose tensors (and chunks) live in host memory."""
     def stage(value):
-        if isinstance(value, DTensor):
-            local = value.to_local().to("cpu", copy=True)
-            return DTensor.from_local(local, cpu_mesh(value.device_mesh), value.placements, run_check=False,
-                                      shape=value.shape, stride=value.stride())
+        if isinstance(value, Chunk):
+            return value.to_host()
         if torch.is_tensor(value):
             return value.detach().to("cpu", copy=True)
         return value
