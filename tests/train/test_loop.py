@@ -59,3 +59,21 @@ def test_dp2_with_fsdp_follows_the_accumulated_curve(ranks, corpus, single):
 
 def test_clipping_is_active_in_these_runs(single):
     assert max(norm for _, norm in single) > 1.0, "grad norms never exceed clip=1: the tests would not cover clipping"
+
+
+def resume_body(cfg, steps):
+    """Resume from cfg.checkpoint.dir (if any), run `steps` steps, save; return the per-step losses."""
+    trainer = Trainer(cfg, TinyConfig, TinyLM)
+    losses = [trainer._dp_mean(trainer.train_step()["loss"]) for _ in range(steps)]
+    trainer.save()
+    return trainer.step, losses
+
+
+def test_resume_at_other_dp_continues_the_uninterrupted_curve(ranks, corpus, single, tmp_path):
+    cfg = tiny_config(corpus, tp=1, fsdp="off", checkpoint={"dir": str(tmp_path / "ckpt")})
+    first = ranks(2).run(resume_body, cfg, 3)[0]  # dp=2
+    cfg.train.micro_batch_size = 2
+    step, rest = ranks(1).run(resume_body, cfg, STEPS - 3)[0]  # dp=1, two micro-batches
+    assert first[0] == 3 and step == STEPS
+    got = torch.tensor(first[1] + rest)
+    assert_close(got, torch.tensor([loss for loss, _ in single]), "loss curve across the dp change", tol=1e-5)
