@@ -5,6 +5,8 @@ importable, so a CPU or CUDA build chosen by the user stays). The optional CUDA 
 csrc/ is built only when CUDA and nvcc are present and TPFLASH_BUILD_CUDA is not 0.
 """
 import os
+import sys
+from pathlib import Path
 
 from setuptools import find_packages, setup
 
@@ -19,9 +21,17 @@ def _ext_modules():
         return [], {}
     if not torch.cuda.is_available() or CUDA_HOME is None:
         return [], {}
-    ext = CUDAExtension("tpflash_fused_dense", sources=["csrc/fused_dense/fused_dense.cpp",
-                                                       "csrc/fused_dense/fused_dense_cuda.cu"],
-                        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-arch=sm_90"]})
+    # Sources, flags and cuBLASLt's header/library: shared with the JIT build (tpflash/kernels/fused_dense.py).
+    sys.path.insert(0, os.path.join("csrc", "fused_dense"))
+    from build_options import build_options
+    try:
+        opts = build_options(CUDA_HOME, Path("build") / "cublas_include", source_dir=Path("csrc") / "fused_dense")
+    except FileNotFoundError as exc:
+        print(f"tpflash: not building the CUDA extension: {exc}", file=sys.stderr)
+        return [], {}
+    ext = CUDAExtension("tpflash_fused_dense", sources=opts.sources, include_dirs=opts.include_dirs,
+                        extra_compile_args={"cxx": opts.cxx_flags, "nvcc": opts.nvcc_flags},
+                        extra_link_args=opts.ldflags)
     return [ext], {"build_ext": BuildExtension}
 
 

@@ -129,6 +129,11 @@ def _prepare(x: torch.Tensor, weights, biases):
     return x2d, weights, biases
 
 
+def _unflatten(out2d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[M, N] -> [*x.shape[:-1], N]; a 2-D x gets the Function's output itself (its grad_fn shows the path)."""
+    return out2d if x.dim() == 2 else out2d.view(*x.shape[:-1], out2d.shape[-1])
+
+
 def _check_linear(in_features: int, weight, bias, name: str) -> None:
     if weight.dim() != 2:
         raise ValueError(f"{name} must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
@@ -212,7 +217,7 @@ def fused_dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if prepared is None:
         return F.linear(x, weight, bias)
     x2d, (weight,), (bias,) = prepared
-    return FusedDense.apply(x2d, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return _unflatten(FusedDense.apply(x2d, weight, bias), x)
 
 
 def fused_dense_gelu_dense(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
@@ -230,4 +235,4 @@ def fused_dense_gelu_dense(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch
     if prepared is None:
         return dense_gelu_dense_reference(x, w1, b1, w2, b2)
     x2d, (w1, w2), (b1, b2) = prepared
-    return FusedDenseGeluDense.apply(x2d, w1, b1, w2, b2, heuristic).view(*x.shape[:-1], w2.shape[0])
+    return _unflatten(FusedDenseGeluDense.apply(x2d, w1, b1, w2, b2, heuristic), x)
