@@ -2,7 +2,8 @@
 
     PYTHONPATH=$PWD python3 scripts/bench_kernels.py [--quick]
 
-Attention: TFLOP/s of forward and forward+backward (bwd = 2.5x fwd FLOPs; causal halves them) vs
+Attention: TFLOP/s of forward and forward+backward ("tpflash triton": the Triton kernel; "tpflash
+auto": what the dispatcher runs on [batch, seq, heads, dim] inputs) (bwd = 2.5x fwd FLOPs; causal halves them) vs
 torch SDPA's flash, cuDNN and efficient backends, MHA, 16k tokens per batch. Norms, rotary and
 cross-entropy: GB/s (bytes that must move at least once / time) vs eager PyTorch and torch.compile,
 beside the GPU's measured copy bandwidth. Fused linear-CE: time and peak extra memory vs the naive
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from tpflash.kernels import apply_rotary, flash_attention, layer_norm, rms_norm
+from tpflash.kernels import apply_rotary, flash_attention, layer_norm, rms_norm, use_backend
 from tpflash.losses import fused_linear_cross_entropy, vocab_parallel_cross_entropy
 
 DEV, BF16 = "cuda", torch.bfloat16
@@ -58,7 +59,13 @@ def bench_attention(seqs, head_dims):
                            for _ in range(3))
                 qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
                 grad = torch.randn_like(q)
-                impls = {"tpflash": ((q, k, v), lambda: flash_attention(q, k, v, causal=causal), grad)}
+                def ours(backend):
+                    def run():
+                        with use_backend(backend):
+                            return flash_attention(q, k, v, causal=causal)
+                    return run
+                impls = {"tpflash triton": ((q, k, v), ours("triton"), grad),
+                         "tpflash auto": ((q, k, v), ours("auto"), grad)}
                 for name, backend in peers.items():
                     def sdpa(backend=backend):
                         with sdpa_kernel(backend):

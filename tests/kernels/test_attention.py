@@ -117,3 +117,16 @@ def test_varlen_attention_matches_reference_on_gpu():
 @pytest.mark.gpu
 def test_attention_head_dim_96_and_seq_first_views_on_gpu():
     _check(*_qkv(2, 300, 300, 4, 4, 96, torch.bfloat16, DEVICE, seq_first=True), torch.bfloat16, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_auto_backend_attention_matches_reference_on_gpu(causal):
+    q, k, v = _qkv(2, 512, 512, 8, 8, 128, torch.bfloat16, DEVICE)
+    grad_out = [torch.randn_like(q)]
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=causal)  # noqa: E731
+    outs, grads = run_with_grads(fn, [q, k, v], grad_out, backend="auto")
+    ref_outs, ref_grads = float64_twin(fn, [q, k, v], grad_out)
+    assert_rel(outs[0], ref_outs[0], torch.bfloat16, "out")
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert_rel(g, r, torch.bfloat16, f"d{name}")

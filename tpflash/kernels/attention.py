@@ -5,9 +5,13 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import dispatch
 from .reference import attention_reference
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _check_attention_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
@@ -38,6 +42,26 @@ def _check_attention_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
             raise ValueError(f"max_seqlen={max_seqlen} must be >= 1")
 
 
+def _cudnn_sdpa(q, k, v, causal, scale, cu_seqlens, return_lse):
+    """Out from torch SDPA's cuDNN backend, or None where it does not apply.
+
+    scripts/bench_kernels.py measured cuDNN at ~1.6-1.9x tpflash's Triton kernel (fwd+bwd, H200,
+    docs/performance.md), so "auto" takes it for what it supports here: batched MHA, fp16/bf16,
+    head_dim 64/128, no lse wanted, and top-left == bottom-right causal alignment (seq_q == seq_k).
+    """
+    if (cu_seqlens is not None or return_lse or q.shape[2] != k.shape[2] or q.dtype not in _HALF
+            or q.shape[-1] not in (64, 128) or (causal and q.shape[1] != k.shape[1])):
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=causal, scale=scale)
+    except RuntimeError:  # cuDNN declined this configuration (version, strides, GPU)
+        return None
+    return out.transpose(1, 2)
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     softmax_scale: Optional[float] = None, cu_seqlens: Optional[torch.Tensor] = None,
                     max_seqlen: Optional[int] = None, return_lse: bool = False):
@@ -50,12 +74,20 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     Varlen (packed sequences): q/k/v [total, heads, head_dim] and cu_seqlens int32 [n_seqs + 1]
     (offsets of each sequence, the same for q and k); max_seqlen = the longest sequence (computed
     when omitted, at the cost of a device sync).
-    Returns out shaped like q (its dtype; contiguous), and with return_lse also the fp32 log-sum-exp of
+    Backends: Triton on CUDA, the reference on CPU; under "auto", batched MHA in fp16/bf16 at head_dim
+    64/128 (without return_lse) goes to torch SDPA's cuDNN backend, which measured faster (see
+    docs/performance.md); use_backend("triton") forces the Triton kernel.
+    Returns out shaped like q (its dtype; contiguous for the Triton kernel), and with return_lse also the fp32 log-sum-exp of
     the scaled scores, [batch, heads_q, seq_q] (varlen: [heads_q, total]). Differentiable in q, k, v.
     """
     _check_attention_inputs(q, k, v, cu_seqlens, max_seqlen)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if dispatch.pick(q) == "triton":
+    backend = dispatch.pick(q)
+    if backend == "triton" and dispatch.requested_backend() == "auto":
+        out = _cudnn_sdpa(q, k, v, causal, scale, cu_seqlens, return_lse)
+        if out is not None:
+            return out
+    if backend == "triton":
         from .flash_attn import triton_flash_attention
         out, lse = triton_flash_attention(q, k, v, causal, scale, cu_seqlens, max_seqlen)
         return (out, lse) if return_lse else out

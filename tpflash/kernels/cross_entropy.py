@@ -25,21 +25,20 @@ def _ce_stats_kernel(X, T, MAX, SUMEXP, PICKED, TOTAL, stride_row, real_cols, BL
                      WITH_SUM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_row
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
+    # running max and sum of exp(x - max) over the blocks so far (fp32 scalars)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+    s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, real_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + cols, mask=cols < real_cols, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        m_new = tl.maximum(m, tl.max(x, 0))  # finite: every block holds at least one real column
+        s = s * tl.exp2((m - m_new) * 1.4426950408889634) + tl.sum(tl.exp2((x - m_new) * 1.4426950408889634), 0)
         m = m_new
         if WITH_SUM:
             total += tl.where(cols < real_cols, x, 0.0)
-    row_max = tl.max(m, 0)
-    tl.store(MAX + row, row_max)
-    tl.store(SUMEXP + row, tl.sum(s * tl.exp(m - tl.where(row_max == float("-inf"), 0.0, row_max)), 0))
+    tl.store(MAX + row, m)
+    tl.store(SUMEXP + row, s)
     t = tl.load(T + row)
     picked = tl.load(X + tl.maximum(t, 0)).to(tl.float32)
     tl.store(PICKED + row, tl.where(t >= 0, picked, 0.0))
