@@ -92,6 +92,26 @@ def generate_body(tp, sequence_parallel):
     return model.generate(prompt, 5, temperature=1.0, top_k=20)
 
 
+def dropout_checkpoint_body(tp, sequence_parallel):
+    """With dropout, a checkpointed model replays its masks: loss and gradients equal the
+    non-checkpointed model's; the loss and the replicated parameters' gradients agree across tp."""
+    ps = init_tp(tp)
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = GPT(tiny_config("gpt2", sequence_parallel, dropout=0.2, activation_checkpointing=checkpointing))
+        idx, targets = batch()
+        loss = model(idx, targets)
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b), "checkpointed recompute drew different dropout masks"
+    loss = results[0][0]
+    assert_close(comm.all_reduce(loss, ps.tp_group) / tp, loss, "loss differs across tp ranks")
+    norm_grad = model.final_norm.weight.grad
+    assert_close(comm.all_reduce(norm_grad, ps.tp_group) / tp, norm_grad, "replicated grad differs across tp")
+
+
 def bad_heads_body(tp):
     init_tp(tp)
     GPT(tiny_config("gpt2", n_head=2, n_embd=6))
@@ -121,6 +141,11 @@ def test_training_loss_curve_matches_tp1(ranks, tp, family, sequence_parallel):
 def test_generate_is_identical_on_all_ranks_and_matches_tp1(ranks, sequence_parallel):
     outs = ranks(2).run(generate_body, 2, sequence_parallel)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_dropout_with_checkpointing_replays_masks_under_tp(ranks, sequence_parallel):
+    ranks(2).run(dropout_checkpoint_body, 2, sequence_parallel)
 
 
 def test_bad_head_count_raises_before_any_collective(ranks):
