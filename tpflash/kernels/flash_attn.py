@@ -22,8 +22,8 @@ MAX_HEAD_DIM = 256
 
 # (BLOCK_M, BLOCK_N, warps, stages) autotune candidates per kernel: few, to bound compile time
 FWD_SHAPES = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
-DKDV_SHAPES = [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3)]
-DQ_SHAPES = [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3)]
+DKDV_SHAPES = [(32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)]
+DQ_SHAPES = [(128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 2), (64, 64, 4, 3)]
 # sequence lengths change every varlen batch: do not compile a kernel per divisibility class
 NO_SPECIALIZE = ["seq_q", "seq_k", "max_seqlen_q", "max_seqlen_k"]
 
@@ -77,6 +77,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     b = tl.program_id(1) // heads_q
     h = tl.program_id(1) % heads_q
     start, len_q, len_k = seq_bounds(CU, b, seq_q, seq_k, VARLEN)

@@ -144,6 +144,8 @@ def _attn_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqb, sqs, sqh, skb, sks, sk
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     b = tl.program_id(1) // heads_q
     h = tl.program_id(1) % heads_q
     start, len_q, len_k = seq_bounds(CU, b, seq_q, seq_k, VARLEN)
