@@ -120,12 +120,12 @@ def dtensor_tp(model: PlainGPT, mesh) -> PlainGPT:
 
 # ---- building and timing one configuration ---------------------------------------------------------
 
-def build(impl: str, shape: dict, args, ps):
+def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
     """(model, loss_fn(idx, targets), context for forward + backward) for one implementation."""
     d, layers, heads = shape["d"], shape["layers"], shape["heads"]
     if impl.startswith("tpflash"):
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=d,
-                        sequence_parallel=ps.tp_size > 1, fused_loss=True)
+                        sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss)
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
         on = impl == "tpflash"
         return model, lambda idx, tgt: _with_overlap(on, model, idx, tgt), contextlib.nullcontext
@@ -145,14 +145,12 @@ def _with_overlap(on: bool, model, idx, targets):
         return model(idx, targets)
 
 
-def make_optimizer(model: nn.Module, device: torch.device):
+def make_optimizer(model: nn.Module, device: torch.device, fused: bool = True):
+    """AdamW, fused on CUDA (foreach when `fused` is False), the default on CPU."""
     params = [p for p in model.parameters() if p.requires_grad]
     if device.type != "cuda":
         return torch.optim.AdamW(params, lr=1e-4)
-    try:  # fused AdamW; DTensor parameters fall back to foreach where fused is unsupported
-        return torch.optim.AdamW(params, lr=1e-4, fused=True)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
 
 
 def time_steps(loss_fn, step_context, opt, args, ps):
@@ -188,27 +186,53 @@ def _sync(device):
 def run_config(model_name: str, impl: str, args, ps) -> dict:
     shape = MODELS[model_name]
     row = dict(model=model_name, impl=impl, tp=ps.tp_size, dp=ps.dp_size, device=_device_name(ps.device))
-    if ps.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ps.device)
     model = opt = None
     try:
-        torch.manual_seed(0)
-        model, loss_fn, step_context = build(impl, shape, args, ps)
-        opt = make_optimizer(model, ps.device)
-        step_s, loss = time_steps(loss_fn, step_context, opt, args, ps)
+        measured = None
+        try:
+            measured = _measure(impl, shape, args, ps, fallback=False)
+        except Exception as exc:  # one retry, said in the row: tpflash's unfused loss / foreach AdamW
+            what = "fused loss" if impl.startswith("tpflash") else "fused AdamW"
+            row["note"] = f"{what} failed ({_describe(exc)[:60]}); retried without"
+        if measured is None:  # retried outside the except block, so the failed attempt's memory is free
+            _cleanup(ps)
+            measured = _measure(impl, shape, args, ps, fallback=True)
+        model, opt, step_s, loss = measured
         tok_gpu = args.batch * args.seq / ps.tp_size / step_s
         row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu, loss=loss,
                    mfu=tok_gpu * flops_per_token(shape, args) / (args.peak_tflops * 1e12),
                    peak_gib=_peak_gib(ps.device))
     except Exception as exc:  # one failing configuration must not kill the table
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        row["error"] = _describe(exc)
     finally:
         del model, opt
-        gc.collect()
-        torch._dynamo.reset()
-        if ps.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _cleanup(ps)
     return row
+
+
+def _measure(impl, shape, args, ps, fallback: bool):
+    """Build, warm up and time one configuration; `fallback`: tpflash without its fused loss, the
+    others with foreach instead of fused AdamW."""
+    torch.manual_seed(0)
+    if ps.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ps.device)
+    tpflash_impl = impl.startswith("tpflash")
+    model, loss_fn, step_context = build(impl, shape, args, ps, fused_loss=not (fallback and tpflash_impl))
+    opt = make_optimizer(model, ps.device, fused=not (fallback and not tpflash_impl))
+    step_s, loss = time_steps(loss_fn, step_context, opt, args, ps)
+    return model, opt, step_s, loss
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:120] if text else ''}"
+
+
+def _cleanup(ps) -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if ps.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def flops_per_token(shape: dict, args) -> float:
@@ -240,10 +264,27 @@ def collectives_alone(model_name: str, args, ps) -> dict:
     full = torch.randn(args.seq, args.batch, shape["d"], device=ps.device, dtype=dtype)
     rs_ms = _median_ms(lambda: tpflash.parallel.comm.reduce_scatter(full, 0, ps.tp_group), ps)
     per_step = 4 * shape["layers"] * (ag_ms + rs_ms) + ag_ms + rs_ms  # + the head's gather
+    gemm, plain, piped = _row_layer_ms(shape, args, ps, dtype)
     return dict(model=model_name, impl="collectives-alone", tp=ps.tp_size, dp=ps.dp_size,
                 device=_device_name(ps.device), step_ms=per_step,
                 note=f"all-gather {ag_ms:.3f} ms, reduce-scatter {rs_ms:.3f} ms per activation; "
-                     f"step_ms = {4 * shape['layers'] + 1} x (both), nothing overlapped")
+                     f"step_ms = {4 * shape['layers'] + 1} x (both), nothing overlapped. MLP down-proj "
+                     f"fwd+bwd: GEMMs alone {gemm:.3f} ms, + reduce-scatter {plain:.3f}, pipelined {piped:.3f}")
+
+
+def _row_layer_ms(shape, args, ps, dtype):
+    """fwd+bwd of the MLP's row-parallel GEMM [s, b, 4d/tp] x [d, 4d/tp]: without collectives, with
+    reduce-scatter / all-gather after it (overlap off), and pipelined (tpflash.parallel.overlap)."""
+    d, tp, group = shape["d"], ps.tp_size, ps.tp_group
+    h = torch.randn(args.seq, args.batch, 4 * d // tp, device=ps.device, dtype=dtype, requires_grad=True)
+    w = torch.randn(d, 4 * d // tp, device=ps.device, dtype=dtype, requires_grad=True)
+    g_full = torch.randn(args.seq, args.batch, d, device=ps.device, dtype=dtype)
+    g_local = g_full[: args.seq // tp]
+    comm = tpflash.parallel.comm
+    gemm = _median_ms(lambda: F.linear(h, w).backward(g_full), ps)
+    plain = _median_ms(lambda: comm.reduce_scatter_along_seq(F.linear(h, w), group).backward(g_local), ps)
+    piped = _median_ms(lambda: overlap.linear_reduce_scatter(h, w, group).backward(g_local), ps)
+    return gemm, plain, piped
 
 
 def _median_ms(fn, ps, reps: int = 20) -> float:
@@ -277,7 +318,7 @@ def table(rows: list) -> str:
             base = tp1.get((r["model"], BASELINE.get(r["impl"], r["impl"]) if r["tp"] > 1 else r["impl"]))
             eff = f"{r['tok_s_gpu'] / base:.2f}" if base else ""
             cells = [f"{r['tok_s_gpu']:,.0f}", f"{r['mfu']:.3f}", f"{r['step_ms']:.1f}",
-                     f"{r['peak_gib']:.1f}", eff, f"loss {r['loss']:.3f}"]
+                     f"{r['peak_gib']:.1f}", eff, f"loss {r['loss']:.3f}" + ("; " + r["note"] if "note" in r else "")]
         lines.append("| " + " | ".join([r["model"], r["impl"], f"{r['tp']}x{r['dp']}"] + cells) + " |")
     return "\n".join(lines)
 
@@ -299,6 +340,7 @@ def parse_args(argv=None):
     p.add_argument("--results", default="bench_e2e.jsonl", help="JSON lines, appended; the table covers all")
     p.add_argument("--table", default=None, help="also write the markdown table here")
     p.add_argument("--tiny", action="store_true", help="tiny model, a few steps: a CPU/gloo smoke test")
+    p.add_argument("--table-only", action="store_true", help="print the table of --results and exit (no run)")
     args = p.parse_args(argv)
     if args.tiny:
         args.models, args.vocab, args.seq, args.batch = "tiny", 512, 64, 2
@@ -306,8 +348,19 @@ def parse_args(argv=None):
     return args
 
 
+def print_table(args) -> None:
+    with open(args.results) as f:
+        text = table([json.loads(line) for line in f if line.strip()])
+    print(text, flush=True)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(text + "\n")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.table_only:
+        return print_table(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ps = tpflash.parallel.init(tp=args.tp or world)
     args.dtype = args.dtype or ("bf16" if ps.device.type == "cuda" else "fp32")
@@ -328,13 +381,7 @@ def main(argv=None) -> None:
                 with open(args.results, "a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
     if ps.rank == 0:
-        with open(args.results) as f:
-            everything = [json.loads(line) for line in f if line.strip()]
-        text = table(everything)
-        print(text, flush=True)
-        if args.table:
-            with open(args.table, "w") as f:
-                f.write(text + "\n")
+        print_table(args)
     dist.barrier()
     dist.destroy_process_group()
 
