@@ -57,3 +57,11 @@ def test_batch_plan_derives_accumulation_and_rejects_mismatch():
                          ids=lambda p: os.path.basename(p))
 def test_shipped_configs_load(path):
     assert isinstance(load_yaml(path), TrainConfig)
+
+
+def test_cli_prints_the_resolved_config_and_rejects_bad_keys(capsys):
+    from tpflash.train.cli import main
+    assert main(["--config", os.path.join(ROOT, "configs", "demo.yaml"), "--tp=1", "--print-config"]) == 0
+    assert "tp: 1\n" in capsys.readouterr().out
+    assert main(["--lrr=1"]) == 2
+    assert "unknown config key 'lrr'" in capsys.readouterr().err
