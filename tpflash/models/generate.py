@@ -36,7 +36,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
              top_k: Optional[int] = None) -> torch.Tensor:
     """Append `max_new_tokens` sampled tokens to idx [batch, seq] -> [batch, seq + max_new_tokens].
 
-    The context is cropped to block_size; each step re-runs the model on it (no kv cache).
+    The context is cropped to block_size (under SP: rounded down to a multiple of tp); each step re-runs the model on it (no kv cache).
     Collective over the tp group: call on all tp ranks with the same idx. Tokens are sampled on
     tp rank 0 and broadcast, so every rank returns the same tensor whatever its RNG state.
     temperature=0 is greedy; top_k keeps the k most likely tokens.
@@ -47,8 +47,11 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         raise ValueError(f"top_k={top_k} must be >= 1")
     group = model.process_group
     src = None if group is None else dist.get_global_rank(group, 0)
+    window = model.config.block_size
+    if model.sequence_parallel:  # the padded context must still fit in block_size
+        window -= window % group_size(group)
     for _ in range(max_new_tokens):
-        context = idx[:, -model.config.block_size:]
+        context = idx[:, -window:]
         token = _sample(_last_logits(model, context), temperature, top_k)
         if group_size(group) > 1:
             dist.broadcast(token, src=src, group=group)
