@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import tpflash
-from tests.checkpoint.tiny_model import TinyBlock, TinyLM, build, full_state, make_optimizer, train
+from tests.checkpoint.tiny_model import TinyBlock, TinyLM, batch, build, full_state, make_optimizer, train, unshard
 from tests.distributed.checks import assert_close, init_tp
 from tpflash.parallel.fsdp import apply_fsdp, block_wrap_policy, hsdp_mesh, select_units, size_wrap_policy
 
@@ -30,6 +30,28 @@ def training_body(tp, hsdp_replicas, reshard_after_forward):
                          ids=["dp2-tp2", "dp4-no-reshard", "hsdp2x2"])
 def test_fsdp_training_equals_single_process_training(ranks, tp, hsdp_replicas, reshard):
     ranks(4).run(training_body, tp, hsdp_replicas, reshard)
+
+
+def mixed_precision_body():
+    """bf16 compute (param_dtype), fp32 master parameters and fp32 reduced gradients, at dp=2 x tp=2."""
+    ps = init_tp(2)
+    model = apply_fsdp(build(seed=0), ps, param_dtype=torch.bfloat16)
+    reference = build(seed=0, tp=False)
+    ids, targets = batch(0)
+    rows = slice(ps.dp_rank * len(ids) // ps.dp_size, (ps.dp_rank + 1) * len(ids) // ps.dp_size)
+    loss = model(ids[rows], targets[rows])
+    assert loss.dtype == torch.bfloat16, loss.dtype
+    loss.backward()
+    reference(ids, targets).backward()
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, (name, p.dtype, p.grad.dtype)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert_close(unshard(model, name, grads[name]), p.grad, f"{name} grad", tol=5e-2)
+
+
+def test_bf16_compute_keeps_fp32_master_weights_and_gradients(ranks):
+    ranks(4).run(mixed_precision_body)
 
 
 def wrapping_body():
