@@ -103,9 +103,16 @@ def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Opti
     _on_rank0(lambda: directory.prepare_tmp(root, step), group)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkSavePlanner(), process_group=group,
              no_dist=_no_dist())
-    gathered = _all_gather(integrity.hash_files(tmp, integrity.own_files(tmp, rank)), group)
+    try:
+        mine = integrity.hash_files(tmp, integrity.own_files(tmp, rank))
+    except OSError as e:  # reported through rank 0, so no rank waits for a peer that gave up
+        mine = f"rank {rank} could not checksum its files: {e}"
+    gathered = _all_gather(mine, group)
 
     def finish():
+        failed = [part for part in gathered if isinstance(part, str)]
+        if failed:
+            raise OSError("; ".join(failed))
         if config is not None:
             with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
                 json.dump(config, f, indent=1)
@@ -169,6 +176,23 @@ def _check_model_keys(slots, metadata: Metadata, path: str) -> None:
                          f"unexpected {sorted(unexpected)[:5]}")
 
 
+def _agreed_path(root: str) -> str:
+    """The checkpoint directory every rank resolved (one all_gather); the same error on every rank otherwise."""
+    try:
+        mine = directory.resolve(root)
+    except FileNotFoundError as e:
+        mine = e
+    everyone = _all_gather(mine if isinstance(mine, str) else f"error: {mine}")
+    if not isinstance(mine, str):
+        raise mine
+    errors = [p for p in everyone if p.startswith("error: ")]
+    if errors:
+        raise FileNotFoundError(f"another rank found no checkpoint: {errors[0][len('error: '):]}")
+    if len(set(everyone)) > 1:
+        raise RuntimeError(f"ranks resolved {root!r} to different checkpoints: {sorted(set(everyone))}")
+    return mine
+
+
 def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **extra) -> dict:
     """Load a checkpoint (a step directory, or root's latest) into `model` (and `optimizer`) at any (dp, tp).
 
@@ -178,8 +202,8 @@ def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     """
     root = os.fspath(root)
     wait_pending(root)
-    path = directory.resolve(root)
     rank, world = _rank_world()
+    path = _agreed_path(root)
     integrity.verify(path, rank, world, _all_gather if world > 1 else None)
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
