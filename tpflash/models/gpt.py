@@ -36,6 +36,16 @@ def _no_default_group():
         set_default_state(saved)
 
 
+def _as_autocast_would(h: torch.Tensor, weight: torch.Tensor):
+    """(h, weight, context) for a GEMM inside an autograd.Function, which autocast does not reach
+    consistently: both cast to the dtype autocast would give F.linear, and autocast off inside."""
+    device = h.device.type
+    if not torch.is_autocast_enabled(device):
+        return h, weight.to(h.dtype), contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device)
+    return h.to(dtype), weight.to(dtype), torch.autocast(device, enabled=False)
+
+
 def _normal(std: float):
     return lambda t: nn.init.normal_(t, mean=0.0, std=std)
 
@@ -150,9 +160,11 @@ class GPT(nn.Module):
         scope = _no_default_group() if self.process_group is None else contextlib.nullcontext()
         with scope:
             if self.config.fused_loss:  # gathers h itself and never holds all the logits
-                return losses.fused_linear_cross_entropy(h, self.head_weight, target, self.process_group,
-                                                         vocab_size=self.config.vocab_size,
-                                                         sequence_parallel=self.sequence_parallel)
+                h, weight, autocast_off = _as_autocast_would(h, self.head_weight)
+                with autocast_off:
+                    return losses.fused_linear_cross_entropy(h, weight, target, self.process_group,
+                                                             vocab_size=self.config.vocab_size,
+                                                             sequence_parallel=self.sequence_parallel)
             return losses.vocab_parallel_cross_entropy(self._logits(h), target, self.process_group,
                                                        vocab_size=self.config.vocab_size)
 
