@@ -69,3 +69,37 @@ def test_fsdp_tp_checkpoint_commits_step_directory(saved_run):
 def test_resume_at_other_layout_restores_state_and_continues_like_original(ranks, saved_run, world, tp, fsdp):
     root, saved, final = saved_run
     ranks(world).run(resume_body, root, tp, fsdp, saved, final)
+
+
+# A Llama-style GPT (untied head, kv heads replicated at tp=4, vocab 61 padded differently at each tp)
+GPT_CONFIG = dict(vocab_size=61, block_size=8, n_layer=1, n_head=4, n_kv_head=2, n_embd=16, ffn_hidden=32,
+                  mlp="swiglu", norm="rmsnorm", position="rotary", tie_embeddings=False, bias=False)
+
+
+def _gpt(seed):
+    torch.manual_seed(seed)
+    return tpflash.models.GPT(tpflash.models.GPTConfig(**GPT_CONFIG))
+
+
+def gpt_save_body(root):
+    ps = init_tp(2)
+    model = tpflash.parallel.apply_fsdp(_gpt(0), ps)
+    tpflash.checkpoint.save(root, model, step=0)
+    return tpflash.parallel.full_state_dict(model)
+
+
+def gpt_load_body(root, tp, expected):
+    init_tp(tp)
+    model = _gpt(1)
+    tpflash.checkpoint.load(root, model)
+    full = tpflash.parallel.full_state_dict(model)
+    assert full.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(full[key], value), f"{key} differs after loading at tp={tp}"
+
+
+def test_gpt_saved_under_fsdp_tp2_loads_at_tp4_and_tp1(ranks, tmp_path):
+    root = str(tmp_path / "gpt")
+    expected = ranks(4).run(gpt_save_body, root)[0]
+    ranks(4).run(gpt_load_body, root, 4, expected)
+    ranks(1).run(gpt_load_body, root, 1, expected)
