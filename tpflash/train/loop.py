@@ -21,7 +21,7 @@ from .data import load_tokens, make_tokenizer, token_format, split_train_eval, u
 from .faults import Fault, StopSignal
 from .gradients import all_reduce_grads_over_dp, clip_grads_, global_grad_norm, tp_sharded_param_ids
 from .rendezvous import init_default_group
-from .metrics import MetricsWriter, Throughput, memory_gb, peak_flops
+from .metrics import MetricsWriter, Throughput, check_logging, memory_gb, peak_flops
 from .sampler import GlobalSampler
 from .schedule import WarmupCosine
 
@@ -35,6 +35,7 @@ class Trainer:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = parallel.check_layout(world, cfg.tp, cfg.dp)
         self.plan = build.plan_batches(cfg.train, dp)
+        check_logging(cfg.log)
         if config_cls is None or model_cls is None:
             from ..models import GPT, GPTConfig
             config_cls, model_cls = config_cls or GPTConfig, model_cls or GPT
@@ -106,7 +107,8 @@ class Trainer:
         return t.to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def train_step(self) -> Dict[str, torch.Tensor]:
-        """One optimizer step over the next global batch; returns this rank's loss and the global grad norm."""
+        """One optimizer step over the next global batch: {"loss": this rank's mean loss (tensor),
+        "grad_norm": the global norm before clipping (tensor), "lr": the lr this step used}."""
         plan, ps = self.plan, self.ps
         self.model.train()
         indices = self.sampler.rank_slice(plan.batch_size, ps.dp_rank, ps.dp_size)  # [per_rank]
@@ -124,11 +126,12 @@ class Trainer:
             all_reduce_grads_over_dp(self.model, ps.dp_group)
         norm = global_grad_norm(self.model, ps.tp_group, ps.dp_group, self.fsdp, self.sharded_ids)
         clip_grads_(self.model.parameters(), norm, self.cfg.train.clip)
+        lr = self.schedule.lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         self.step += 1
-        return {"loss": loss_sum / plan.grad_accum, "grad_norm": norm}
+        return {"loss": loss_sum / plan.grad_accum, "grad_norm": norm, "lr": lr}
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         value = value.detach().float().clone()
@@ -174,38 +177,39 @@ class Trainer:
             out.note(f"resumed from {self.cfg.checkpoint.dir} at step {self.step}{saved}; continuing at "
                      f"tp={ps.tp_size} dp={ps.dp_size}")
 
+    def _is_every(self, interval: int) -> bool:
+        return interval > 0 and self.step % interval == 0 and self.step < self.cfg.train.steps
+
     def run(self) -> Dict[str, float]:
         """Train to `train.steps`, logging, evaluating and checkpointing; returns the last metrics."""
-        cfg, t = self.cfg, self.cfg.train
-        out = MetricsWriter(cfg.log, t.steps, self.step, enabled=self.is_main)
+        cfg = self.cfg
+        out = MetricsWriter(cfg.log, cfg.train.steps, self.step, enabled=self.is_main)
         self.describe(out)
         flops = self.model.flops_per_token(self.seq_len) if hasattr(self.model, "flops_per_token") else 0.0
         meter = Throughput(flops, peak_flops(cfg.log, self.device), self.ps.world_size)
         stop = StopSignal(self.device)
         last: Dict[str, float] = {}
-        loss_acc, steps_acc = torch.zeros((), device=self.device), 0
+        losses = []  # this rank's step losses since the last log line (tensors: no host sync per step)
         try:
-            while self.step < t.steps:
+            while self.step < cfg.train.steps:
                 result = self.train_step()
                 meter.add(self.plan.batch_size * self.seq_len)
-                loss_acc += result["loss"]
-                steps_acc += 1
+                losses.append(result["loss"])
                 self.fault.after_step(self.step)
-                if self.step % max(cfg.log.interval, 1) == 0 or self.step == t.steps:
-                    last = {"loss": self._dp_mean(loss_acc / steps_acc), "lr": self.optimizer.param_groups[0]["lr"],
+                if self.step % max(cfg.log.interval, 1) == 0 or self.step == cfg.train.steps:
+                    last = {"loss": self._dp_mean(torch.stack(losses).mean()), "lr": result["lr"],
                             "grad_norm": result["grad_norm"].item(), "epoch": self.sampler.epoch,
                             **meter.read(), **memory_gb(self.device)}
-                    loss_acc, steps_acc = torch.zeros((), device=self.device), 0
+                    losses = []
                     out.log(self.step, last)
-                if t.eval_interval and self.step % t.eval_interval == 0 and self.step < t.steps:
+                if self._is_every(cfg.train.eval_interval):
                     out.log(self.step, {"eval_loss": self.evaluate()}, kind="eval")
                 out.advance(self.step, {"loss": last.get("loss", float("nan"))})
-                interval = cfg.checkpoint.interval
                 if stop.agreed():
                     out.note(f"SIGTERM: saving step {self.step} and exiting")
                     self.save()
                     return last
-                if interval and self.step % interval == 0 and self.step < t.steps:
+                if self._is_every(cfg.checkpoint.interval):
                     self.save()
             eval_loss = self.evaluate()
             if eval_loss is not None:

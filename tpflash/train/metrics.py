@@ -80,7 +80,9 @@ class MetricsWriter:
             self.tb = _tensorboard(cfg, os.path.join(cfg.dir, "tb"))
         mode = cfg.progress
         if mode == "auto":
-            mode = "bar" if sys.stderr.isatty() and _has_tqdm() else "lines"
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        if mode == "bar" and not _has_tqdm():
+            mode = "lines"  # tqdm is optional
         if mode == "bar":
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, desc="train")
@@ -131,6 +133,15 @@ def _has_tqdm() -> bool:
         return True
     except ImportError:
         return False
+
+
+def check_logging(cfg: LogSection) -> None:
+    """Raise ValueError now (before any collective) if log.tensorboard=on cannot be honoured."""
+    if cfg.tensorboard == "on":
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise ValueError("log.tensorboard=on but tensorboard is not installed (pip install tensorboard)") from None
 
 
 def _tensorboard(cfg: LogSection, path: str):
