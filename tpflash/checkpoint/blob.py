@@ -16,4 +16,5 @@ def to_blob(value: object) -> bytes:
 
 
 def from_blob(blob: bytes) -> object:
-    return torch.load(io.BytesIO(blob), weights_only=False)
+    """The value, with any tensors on CPU (a checkpoint saved on GPUs also resumes on a CPU machine)."""
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
