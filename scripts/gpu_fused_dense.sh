@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The fused-dense GPU check in one command: build the extension, run its tests, run the benchmark.
 #   OUT=/some/dir bash scripts/gpu_fused_dense.sh      (on a CUDA machine with nvcc; no network needed)
-# Build: the documented `pip install --no-build-isolation --no-deps -e .`; if that leaves no importable
-# tpflash_fused_dense, the JIT build (TPFLASH_JIT_CUDA=1) is tried and its full compiler output printed.
+# Build: the documented `pip install --no-build-isolation --no-deps --use-pep517 -e .` (without
+# --use-pep517 an older pip runs `setup.py develop`, which calls pip again with build isolation, i.e. the
+# network). If that leaves no importable tpflash_fused_dense, the JIT build (TPFLASH_JIT_CUDA=1) is tried
+# and its full compiler output printed.
 # The tests and the benchmark run either way (on the PyTorch fallback where no build worked).
 # Everything goes to $OUT/log; pip's verbose build log to $OUT/pip.log; the benchmark to $OUT/bench.*.
 set -uo pipefail
@@ -24,8 +26,8 @@ main() {
 from torch.utils.cpp_extension import CUDA_HOME; print('CUDA_HOME', CUDA_HOME)
 print(b.build_options(CUDA_HOME, pathlib.Path('/tmp/tpflash-cublas-include-check')))"
 
-  step "build: pip install --no-build-isolation --no-deps --no-index -e ."
-  if timeout 200 $PY -m pip install --no-build-isolation --no-deps --no-index -v -e . >"$OUT/pip.log" 2>&1; then
+  step "build: pip install --no-build-isolation --no-deps --no-index --use-pep517 -e ."
+  if timeout 200 $PY -m pip install --no-build-isolation --no-deps --no-index --use-pep517 -v -e . >"$OUT/pip.log" 2>&1; then
     echo "pip install: ok"
   else
     echo "pip install: FAILED (rc $?); the end of $OUT/pip.log:"

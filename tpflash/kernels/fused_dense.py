@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
@@ -52,6 +53,7 @@ def _jit_build():
         raise RuntimeError(f"the JIT build needs a tpflash checkout's csrc/; {options_file} does not exist")
     spec = importlib.util.spec_from_file_location("tpflash_fused_dense_build_options", options_file)
     build = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = build  # dataclasses look their module up there while it executes
     spec.loader.exec_module(build)
     scratch = Path(tempfile.gettempdir()) / f"tpflash-cublas-include-{os.getuid()}"
     opts = build.build_options(cpp.CUDA_HOME, scratch)
