@@ -82,6 +82,7 @@ class CheckpointSection:
     interval: int = 0  # 0: only at the end
     keep: int = 3
     resume: bool = True
+    async_save: bool = False  # periodic saves return once tensors are in host memory (the last one waits)
 
 
 @dataclass

@@ -87,18 +87,22 @@ class Trainer:
             raise ValueError(f"checkpoint step {self.step} disagrees with its scheduler step {self.schedule.step_count}")
         return info
 
-    def save(self) -> None:
-        """Write a checkpoint of the current step (collective: every rank calls it)."""
+    def save(self, final: bool = True) -> None:
+        """Write a checkpoint of the current step (collective: every rank calls it). With
+        checkpoint.async_save a non-final save returns once its tensors are staged in host memory."""
         ck = self.cfg.checkpoint
         if not ck.dir or self._saved_step == self.step:
             return
         from .. import checkpoint
         with self.fault.around_save(self.step, ck.dir):
             checkpoint.save(ck.dir, self.model, self.optimizer, step=self.step, keep=ck.keep,
-                            scheduler=self.schedule, data=self.sampler,
+                            async_save=ck.async_save and not final, scheduler=self.schedule, data=self.sampler,
                             saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
+            if final:
+                checkpoint.wait_pending(ck.dir)
         self._saved_step = self.step
         if self.is_main:
+            os.makedirs(ck.dir, exist_ok=True)  # an async save may not have made it yet
             with open(os.path.join(ck.dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(self.cfg))
 
@@ -210,7 +214,7 @@ class Trainer:
                     self.save()
                     return last
                 if self._is_every(cfg.checkpoint.interval):
-                    self.save()
+                    self.save(final=False)
             eval_loss = self.evaluate()
             if eval_loss is not None:
                 last["eval_loss"] = eval_loss
