@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tpflash.kernels import fused_dense, fused_dense_gelu_dense, use_backend
-from tpflash.kernels.fused_dense import dense_gelu_dense_reference, extension_status, load_extension
+from tpflash.kernels.fused_dense import (build_options_module, dense_gelu_dense_reference, extension_status,
+                                         load_extension)
 
 # ||actual - fp64|| / ||fp64|| allowed for outputs and gradients of one or two bf16/fp16 GEMMs.
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5, torch.float64: 1e-12}
@@ -124,6 +125,57 @@ def test_extension_is_not_loaded_without_cuda_or_jit_request():
         pytest.skip("a CUDA machine may have the extension")
     assert load_extension() is None
     assert "tpflash_fused_dense" in extension_status()
+
+
+def _fake_cuda_home(root, with_cublas: bool):
+    (root / "include").mkdir(parents=True)
+    (root / "lib64").mkdir()
+    if with_cublas:
+        for name in ("include/cublasLt.h", "include/cublas_api.h", "lib64/libcublasLt.so"):
+            (root / name).write_text("")
+    return root
+
+
+def test_jit_build_passes_sources_flags_and_cublaslt_to_cpp_extension_load(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension as cpp
+
+    from tpflash.kernels.fused_dense import _jit_build
+    cuda_home = _fake_cuda_home(tmp_path / "cuda", with_cublas=True)
+    calls = []
+    monkeypatch.setattr(cpp, "CUDA_HOME", str(cuda_home))
+    monkeypatch.setattr(cpp, "load", lambda **kw: calls.append(kw) or "module")
+    assert _jit_build() == "module"
+    (kw,) = calls
+    assert kw["name"] == "tpflash_fused_dense"
+    assert [s.rsplit("/", 1)[-1] for s in kw["sources"]] == ["fused_dense.cpp", "fused_dense_cuda.cu"]
+    assert "-gencode=arch=compute_90,code=sm_90" in kw["extra_cuda_cflags"]
+    assert kw["extra_ldflags"] == [str(cuda_home / "lib64" / "libcublasLt.so")]
+    assert kw["extra_include_paths"] == []  # the toolkit's include dir is on nvcc's path already
+
+
+def test_build_options_links_wheel_cublas_headers_into_a_private_folder(tmp_path, monkeypatch):
+    import sys
+
+    build = build_options_module()
+    wheel = tmp_path / "site" / "nvidia" / "cu13"
+    (wheel / "include").mkdir(parents=True)
+    (wheel / "lib").mkdir()
+    for name in ("include/cublasLt.h", "include/cublas_api.h", "include/cuda_runtime.h", "lib/libcublasLt.so.13"):
+        (wheel / name).write_text("")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")] + sys.path)
+    opts = build.build_options(str(_fake_cuda_home(tmp_path / "cuda", with_cublas=False)), tmp_path / "inc")
+    assert opts.include_dirs == [str(tmp_path / "inc")]
+    assert sorted(p.name for p in (tmp_path / "inc").iterdir()) == ["cublasLt.h", "cublas_api.h"]
+    assert opts.ldflags == [str(wheel / "lib" / "libcublasLt.so.13")]
+
+
+def test_build_options_name_what_is_missing(tmp_path):
+    build = build_options_module()
+    cuda_home = _fake_cuda_home(tmp_path / "cuda", with_cublas=False)
+    if build.find_cublaslt_header(str(cuda_home)) is not None:
+        pytest.skip("this machine has cuBLAS headers in its Python packages")
+    with pytest.raises(FileNotFoundError, match="cublasLt.h"):
+        build.build_options(str(cuda_home), tmp_path / "inc")
 
 
 # ----------------------------------------------------------------------------- GPU: extension vs composition

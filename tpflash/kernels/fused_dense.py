@@ -43,18 +43,26 @@ CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "fused_dense"
 # ---------------------------------------------------------------------------------------------
 # Loading the extension
 # ---------------------------------------------------------------------------------------------
+def build_options_module():
+    """csrc/fused_dense/build_options.py of this checkout (sources, flags, where cuBLASLt is)."""
+    options_file = CSRC_DIR / "build_options.py"
+    if not options_file.is_file():
+        raise RuntimeError(f"the JIT build needs a tpflash checkout's csrc/; {options_file} does not exist")
+    name = "tpflash_fused_dense_build_options"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, options_file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there while it executes
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def _jit_build():
     import torch.utils.cpp_extension as cpp
 
     if cpp.CUDA_HOME is None:
         raise RuntimeError("the JIT build needs nvcc, but CUDA_HOME was not found")
-    options_file = CSRC_DIR / "build_options.py"
-    if not options_file.is_file():
-        raise RuntimeError(f"the JIT build needs a tpflash checkout's csrc/; {options_file} does not exist")
-    spec = importlib.util.spec_from_file_location("tpflash_fused_dense_build_options", options_file)
-    build = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = build  # dataclasses look their module up there while it executes
-    spec.loader.exec_module(build)
+    build = build_options_module()
     scratch = Path(tempfile.gettempdir()) / f"tpflash-cublas-include-{os.getuid()}"
     opts = build.build_options(cpp.CUDA_HOME, scratch)
     return cpp.load(name=build.NAME, sources=opts.sources, extra_include_paths=opts.include_dirs,
