@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from tests.distributed.checks import init_tp
-from tests.models.reference import RefAttention, check_against_reference
+from tests.models.reference import RefAttention, check_against_reference, cpu_gloo_only
 from tpflash.layers import ParallelAttention
 from tpflash.parallel import full_state_dict, set_default_state
+
+pytestmark = cpu_gloo_only()
 
 HIDDEN = 32
 

@@ -4,8 +4,11 @@ import pytest
 import torch
 
 from tests.distributed.checks import init_tp
+from tests.models.reference import cpu_gloo_only
 from tpflash.models import from_hf, to_hf
 from tpflash.parallel import comm
+
+pytestmark = cpu_gloo_only()
 
 VOCAB, SEQ = 101, 8
 

@@ -3,8 +3,10 @@ import pytest
 import torch
 
 from tests.distributed.checks import init_tp
-from tests.models.reference import RefMLP, check_against_reference
+from tests.models.reference import RefMLP, check_against_reference, cpu_gloo_only
 from tpflash.layers import ParallelMLP
+
+pytestmark = cpu_gloo_only()
 
 HIDDEN, FFN = 16, 64
 
