@@ -81,9 +81,9 @@ def _gpt(seed):
     return tpflash.models.GPT(tpflash.models.GPTConfig(**GPT_CONFIG))
 
 
-def gpt_save_body(root):
-    ps = init_tp(2)
-    model = tpflash.parallel.apply_fsdp(_gpt(0), ps)
+def gpt_save_body(root, tp=2, hsdp_replicas=1):
+    ps = init_tp(tp)
+    model = tpflash.parallel.apply_fsdp(_gpt(0), ps, hsdp_replicas=hsdp_replicas)
     tpflash.checkpoint.save(root, model, step=0)
     return tpflash.parallel.full_state_dict(model)
 
@@ -103,3 +103,9 @@ def test_gpt_saved_under_fsdp_tp2_loads_at_tp4_and_tp1(ranks, tmp_path):
     expected = ranks(4).run(gpt_save_body, root)[0]
     ranks(4).run(gpt_load_body, root, 4, expected)
     ranks(1).run(gpt_load_body, root, 1, expected)
+
+
+def test_gpt_saved_under_hsdp_loads_at_tp2(ranks, tmp_path):
+    root = str(tmp_path / "gpt")
+    expected = ranks(4).run(gpt_save_body, root, 1, 2)[0]  # tp=1, 2 replicas x 2 shards
+    ranks(4).run(gpt_load_body, root, 2, expected)
