@@ -62,7 +62,7 @@ std::vector<at::Tensor> linear_weight_grad(const at::Tensor& x, const at::Tensor
   TORCH_CHECK(d_out.size(0) == x.size(0), "d_out.shape[0]=", d_out.size(0), " must equal x.shape[0]=", x.size(0));
   const c10::cuda::CUDAGuard device_guard(x.device());
   at::Tensor d_weight = at::empty({d_out.size(1), x.size(1)}, x.options());
-  c10::optional<at::Tensor> d_bias;
+  std::optional<at::Tensor> d_bias;
   if (with_bias_grad) d_bias = at::empty({d_out.size(1)}, x.options());
   weight_grad_cuda(x, d_out, d_weight, d_bias);
   if (d_bias.has_value()) return {d_weight, *d_bias};

@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace tpflash {
 
 // out[M, N] = gelu_tanh(x[M, K] @ weight[N, K]^T + bias[N]); pre_act[M, N] = the GELU input.
@@ -16,7 +18,7 @@ void gelu_forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
 // d_weight[N, K] = d_out[M, N]^T @ x[M, K]; d_bias[N] = d_out.sum(0) when d_bias is defined.
 // One cuBLASLt GEMM, with the BGRADB epilogue when the bias gradient is wanted.
 void weight_grad_cuda(const at::Tensor& x, const at::Tensor& d_out, at::Tensor& d_weight,
-                      c10::optional<at::Tensor>& d_bias);
+                      std::optional<at::Tensor>& d_bias);
 
 // d_pre[M, F] = (d_out[M, D] @ weight[D, F]) * gelu_tanh'(pre_act[M, F]); d_bias[F] = d_pre.sum(0).
 // The input gradient of the second linear of an MLP pushed through the GELU of the first:

@@ -148,7 +148,7 @@ void gelu_forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 void weight_grad_cuda(const at::Tensor& x, const at::Tensor& d_out, at::Tensor& d_weight,
-                      c10::optional<at::Tensor>& d_bias) {
+                      std::optional<at::Tensor>& d_bias) {
   // Column-major d_weight^T[K, N] = x^T[K, M] @ d_out[M, N]; BGRADB sums op(B) = d_out over k = M.
   const int64_t rows = x.size(0), in_features = x.size(1), out_features = d_out.size(1);
   LtGemm g;
