@@ -59,11 +59,13 @@ def row_on_off_body(tp):
     layer = RowParallelLinear(IN, OUT, sequence_parallel=True, device=ps.device, dtype=dtype)
     h_local = _randn(ps, dtype, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
     grad_y = _randn(ps, dtype, SEQ // tp, BATCH, OUT, seed=20 + ps.tp_rank)
-    assert _pipelined(layer), "overlap=None should take the overlapped path by default"
-    on = _run(layer, h_local, grad_y)
-    layer.zero_grad()
-    layer.overlap = False  # the per-layer flag wins over the global setting
-    off = _run(layer, h_local, grad_y)
+    with overlap.overlap_comm(True):
+        assert _pipelined(layer), "the overlapped path is not taken"
+        on = _run(layer, h_local, grad_y)
+        layer.zero_grad()
+        layer.overlap = False  # the per-layer flag wins over the global setting
+        assert not _pipelined(layer)
+        off = _run(layer, h_local, grad_y)
     _same(on, off, f"row tp={tp}")
 
 
@@ -148,6 +150,20 @@ def test_linear_reduce_scatter_matches_reference(ranks, tp):
 
 def test_indivisible_sequence_raises_before_any_collective(ranks):
     ranks(2).run(indivisible_sequence_body, 2)
+
+
+def test_switch_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("TPFLASH_OVERLAP", raising=False)
+    assert not overlap.overlap_enabled()
+    assert not _pipelined(RowParallelLinear(IN, OUT, sequence_parallel=True))  # tp=1 never pipelines
+
+
+def test_pieces_divide_the_local_sequence(monkeypatch):
+    monkeypatch.delenv("TPFLASH_OVERLAP_PIECES", raising=False)
+    assert [overlap.num_pieces(n) for n in (1, 2, 3, 6, 8, 1024)] == [1, 2, 3, 3, 4, 4]
+    assert overlap.num_pieces(8, 2) == 2
+    monkeypatch.setenv("TPFLASH_OVERLAP_PIECES", "8")
+    assert overlap.num_pieces(1024) == 8
 
 
 def test_switch_follows_context_then_environment(monkeypatch):

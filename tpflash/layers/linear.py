@@ -9,9 +9,9 @@ one collective in each direction.
 Sequence-parallel activations are sequence-first, [seq/tp, batch, hidden]: gathering dim 0
 is one contiguous collective with no copy (the layers take `seq_dim` for other layouts).
 
-Under sequence parallelism (seq_dim 0, tp > 1) the all-gather / reduce-scatter is pipelined with
-the GEMM (tpflash.parallel.overlap) unless `overlap=False`, or, with `overlap=None` (default),
-unless `overlap_comm(False)` / TPFLASH_OVERLAP=0 turns it off. Results agree either way.
+Under sequence parallelism (seq_dim 0, tp > 1) the all-gather / reduce-scatter can be pipelined
+with the GEMM (tpflash.parallel.overlap): with `overlap=True`, or with `overlap=None` (default)
+inside `overlap_comm(True)` or under TPFLASH_OVERLAP=1 (off otherwise). Results agree either way.
 """
 from __future__ import annotations
 

@@ -2,30 +2,33 @@
 
 Under sequence parallelism a column-parallel GEMM needs the all-gathered input and a
 row-parallel GEMM ends in a reduce-scatter. Done naively the GPU waits for each collective.
-Here both are cut into tp chunks along the sequence (chunk c = rows [c*s/tp, (c+1)*s/tp) of a
-sequence-first [seq, batch, feat] tensor, the block rank c owns) and passed around a ring of
-point-to-point transfers, so that while one chunk travels the previous one is multiplied:
+Here each rank's sequence shard is cut into k pieces (rows [j*m, (j+1)*m) of its [s/tp, b, feat]
+block, m = s/(tp*k)), and every piece is its own asynchronous NCCL/gloo collective, so that the
+GEMM on one piece runs while the next piece travels:
 
-  ring_all_gather      the input arrives chunk by chunk (own chunk first); each is multiplied
-                       as soon as it is there, and lands in its slot of the gathered buffer.
-  ring_reduce_scatter  the partial product of chunk c is computed just before it is needed:
-                       rank r adds its partial for chunk c to the running sum received from
-                       rank r+1 and sends it on to rank r-1; the sum ends at rank c.
+  pipelined_all_gather      all-gather piece j of every rank ([tp, m, ...]) and hand it to the
+                            consumer as soon as it has arrived, while pieces j+1.. are in flight.
+  pipelined_reduce_scatter  compute this rank's contribution to piece j of every rank's rows
+                            ([tp, m, ...]) and reduce-scatter it while piece j+1 is computed.
+
+Viewing a sequence-first tensor of all tokens as [tp, k, m, feat], piece j is the strided slice
+[:, j]: the GEMMs read and write it as a strided batch of tp matrices, with no copies.
 
 Backward reuses the pair (the gradient of a gather is a reduce-scatter and vice versa):
-  column: grad_x = ring_reduce_scatter(grad_y @ W) runs while the weight-gradient GEMM
-          grad_W = grad_y^T x_full is computed (its last transfer waits behind it); if the forward
-          kept only the local input shard, its all-gather is issued first and hides behind the
-          input-gradient GEMMs.
-  row:    grad_h = ring_all_gather(grad_y) @ W, each chunk multiplied on arrival.
+  column: grad_x = pipelined_reduce_scatter(grad_y @ W) runs while the weight-gradient GEMM
+          grad_W = grad_y^T x_full is computed; if the forward kept only the local input shard,
+          its all-gather is issued first and hides behind the input-gradient GEMMs.
+  row:    grad_h = pipelined_all_gather(grad_y) @ W, each piece multiplied on arrival.
 
-On CUDA the transfers run on NCCL's own stream (the "side stream"); `Work.wait()` makes the
-compute stream wait on an event, so the GEMM of chunk i runs while chunk i+1 is in flight. On
+On CUDA the collectives run on NCCL's own stream (the "side stream"); `Work.wait()` makes the
+compute stream wait on an event, so the GEMM of piece j runs while piece j+1 is in flight. On
 CPU/gloo the same code runs with asynchronous work handles, which is what the tests exercise.
+(A first version passed whole tp-chunks around a ring of NCCL send/recv; on 2 H200s it was
+slower than no overlap at all, see docs/overlap.md, so pieces now go through NCCL's collectives.)
 
-The switch: `overlap_enabled()` is on unless TPFLASH_OVERLAP=0, and `overlap_comm(False)`
-turns it off inside a `with` block; layers built with `overlap=None` ask at every forward.
-Results are the same either way up to the order of floating-point sums.
+The switch: `overlap_enabled()` is off unless TPFLASH_OVERLAP=1, and `overlap_comm(True)` turns
+it on inside a `with` block; layers built with `overlap=None` ask at every forward. Results are
+the same either way up to the order of floating-point sums. TPFLASH_OVERLAP_PIECES sets k (4).
 """
 from __future__ import annotations
 
@@ -44,10 +47,18 @@ _forced: List[bool] = []  # stack of `overlap_comm` settings; the innermost wins
 
 def overlap_enabled() -> bool:
     """Whether layers with overlap=None pipeline their collectives: the innermost `overlap_comm`
-    setting, else the environment variable TPFLASH_OVERLAP ("0"/"false"/"off" disable), else on."""
+    setting, else the environment variable TPFLASH_OVERLAP ("1"/"true"/"on" enable), else off
+    (off by default until a GPU run shows the pipelined path faster: docs/performance.md)."""
     if _forced:
         return _forced[-1]
-    return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return os.environ.get(_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def num_pieces(rows: int, want: Optional[int] = None) -> int:
+    """k: the largest divisor of `rows` (this rank's sequence length) not above `want`
+    (default TPFLASH_OVERLAP_PIECES, else 4)."""
+    want = int(os.environ.get("TPFLASH_OVERLAP_PIECES", "4")) if want is None else want
+    return max(d for d in range(1, max(1, min(want, rows)) + 1) if rows % d == 0)
 
 
 @contextlib.contextmanager
@@ -65,77 +76,60 @@ def resolve_overlap(flag: Optional[bool]) -> bool:
     return overlap_enabled() if flag is None else bool(flag)
 
 
-# ---- ring transfers --------------------------------------------------------------------------------
+# ---- pipelined collectives ------------------------------------------------------------------------
 
-def _ring_peers(group):
-    """(rank, world, global rank of the next ring member, global rank of the previous one)."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    nxt = dist.get_global_rank(group, (rank + 1) % world)
-    prev = dist.get_global_rank(group, (rank - 1) % world)
-    return rank, world, nxt, prev
-
-
-def _shift(send: torch.Tensor, recv: torch.Tensor, to_rank: int, from_rank: int, group):
-    """Send `send` to one ring neighbour and receive `recv` from the other, as one batch (NCCL
-    groups the pair, so two ranks exchanging with each other cannot deadlock). Returns the works."""
-    ops = [dist.P2POp(dist.isend, send, to_rank, group), dist.P2POp(dist.irecv, recv, from_rank, group)]
-    return dist.batch_isend_irecv(ops)
-
-
-def _wait(works) -> None:
-    for work in works:
+def pipelined_all_gather(x_local: torch.Tensor, group, pieces: int,
+                         on_piece: Callable[[int, torch.Tensor], None], keep: bool = True) -> Optional[torch.Tensor]:
+    """All-gather `x_local` [n, ...] along dim 0 as `pieces` collectives (all issued at once), calling
+    on_piece(j, gathered) with gathered = piece j of every rank, [world, n/pieces, ...], as soon as it
+    has arrived. Returns the gathered [world*n, ...] in rank (sequence) order when `keep`."""
+    world = dist.get_world_size(group)
+    xp = x_local.contiguous().view((pieces, -1) + tuple(x_local.shape[1:]))  # [k, m, ...]
+    bufs = [xp.new_empty((world * xp.shape[1],) + tuple(xp.shape[2:])) for _ in range(pieces)]  # [tp*m, ...]
+    works = [comm._all_gather_single(buf, xp[j], group=group, async_op=True) for j, buf in enumerate(bufs)]
+    bufs = [buf.view((world,) + tuple(xp.shape[1:])) for buf in bufs]  # [tp, m, ...]
+    full = xp.new_empty((world,) + tuple(xp.shape)) if keep else None  # [tp, k, m, ...]
+    for j, (buf, work) in enumerate(zip(bufs, works)):
         work.wait()
-
-
-def ring_all_gather(x_local: torch.Tensor, group, on_chunk: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
-    """All-gather `x_local` [n, ...] along dim 0 around the ring, calling on_chunk(src, chunk) for
-    each rank's chunk as soon as it has arrived (this rank's own first, then src = r-1, r-2, ...),
-    while the next chunk is in flight. Returns the gathered [world*n, ...] in rank order."""
-    rank, world, nxt, prev = _ring_peers(group)
-    full = x_local.new_empty((world,) + tuple(x_local.shape))  # [world, n, ...]
-    full[rank].copy_(x_local)
-    for step in range(world):
-        src = (rank - step) % world  # the chunk this rank holds now
-        works = []
-        if step < world - 1:  # pass it on; receive the one the previous rank holds
-            works = _shift(full[src], full[(src - 1) % world], nxt, prev, group)
-        on_chunk(src, full[src])
-        _wait(works)
-    return full.flatten(0, 1)
+        on_piece(j, buf)
+        if keep:
+            full[:, j].copy_(buf)
+    return None if full is None else full.view((-1,) + tuple(x_local.shape[1:]))
 
 
 class PendingReduceScatter:
-    """The last hop of a ring reduce-scatter: `wait()` returns this rank's reduced chunk."""
+    """In-flight reduce-scatters of the pieces; `wait()` returns this rank's reduced rows."""
 
-    def __init__(self, partial: torch.Tensor, received: Optional[torch.Tensor], works):
-        self._partial, self._received, self._works = partial, received, works
+    def __init__(self, out: torch.Tensor, works, keep_alive):
+        self._out, self._works, self._keep_alive = out, works, keep_alive
 
     def wait(self) -> torch.Tensor:
-        if self._received is not None:
-            _wait(self._works)
-            self._partial += self._received
-            self._received = None
-        return self._partial
+        for work in self._works:
+            work.wait()
+        self._works, self._keep_alive = [], []
+        return self._out
 
 
-def ring_reduce_scatter(partial_for: Callable[[int], torch.Tensor], group) -> PendingReduceScatter:
-    """Sum over the group of the tensors partial_for(c) (this rank's contribution to chunk c) and keep
-    chunk `rank`. Each partial is computed just before it joins the ring, so the computation of the
-    next chunk overlaps the transfer of the previous sum. The final hop is left pending: the caller
-    can do more work before `wait()`."""
-    rank, world, nxt, prev = _ring_peers(group)
-    received, works = None, []
-    for step in range(world):
-        chunk = (rank + step + 1) % world  # the same chunk rank+1 worked on one step earlier
-        partial = partial_for(chunk)
-        if step == world - 1:  # chunk == rank: ours
-            return PendingReduceScatter(partial, received, works)
-        if received is not None:
-            _wait(works)
-            partial += received
-        received = torch.empty_like(partial)
-        works = _shift(partial, received, prev, nxt, group)
-    raise AssertionError("unreachable")
+def pipelined_reduce_scatter(partial_for: Callable[[int], torch.Tensor], out: torch.Tensor, group,
+                             pieces: int) -> PendingReduceScatter:
+    """out[j] = sum over ranks of partial_for(j)[rank], for j < pieces: partial_for(j) is this rank's
+    contribution to piece j of every rank's rows, [world, m, ...]; out is [pieces, m, ...]. Each piece's
+    reduce-scatter is issued as soon as it is computed, so it travels while the next is computed;
+    the caller can do more work before `wait()`."""
+    works, partials = [], []
+    for j in range(pieces):
+        partials.append(partial_for(j).contiguous())  # [tp, m, ...], alive until the collective has read it
+        works.append(comm._reduce_scatter_single(out[j], partials[-1].flatten(0, 1), group=group, async_op=True))
+    return PendingReduceScatter(out, works, partials)
+
+
+def _bmm_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+    """out[r] = a[r] @ w (+ bias) for every r: a [p, m, i], w [i, o], out [p, m, o] (possibly strided)."""
+    w3 = w.unsqueeze(0).expand(a.shape[0], -1, -1)
+    if bias is None:
+        torch.bmm(a, w3, out=out)
+    else:
+        torch.baddbmm(bias.view(1, 1, -1).expand(out.shape), a, w3, out=out)
 
 
 # ---- dtype handling under autocast -----------------------------------------------------------------
@@ -166,9 +160,9 @@ def _no_autocast(x: torch.Tensor):
 class _AllGatherLinear(torch.autograd.Function):
     """ys_i = all_gather_seq(x_local) @ W_i^T + b_i for several weights sharing one gathered input.
 
-    x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp]. Forward: ring all-gather, each chunk multiplied
-    on arrival. Backward: ring reduce-scatter of grad_x = sum_i grad_y_i W_i, chunk by chunk, with
-    the weight-gradient GEMMs done before its last hop is awaited.
+    x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp]. Forward: pipelined all-gather, each piece
+    multiplied on arrival. Backward: pipelined reduce-scatter of grad_x = sum_i grad_y_i W_i, with
+    the weight-gradient GEMMs done before it is awaited.
     """
 
     @staticmethod
@@ -180,47 +174,46 @@ class _AllGatherLinear(torch.autograd.Function):
         ctx.has_bias = [b is not None for b in params[n:]]
         x = x_local.to(dtype).contiguous()
         weights, biases = [w.to(dtype) for w in params[:n]], [_cast(b, dtype) for b in params[n:]]
-        world = dist.get_world_size(group)
+        world, k = dist.get_world_size(group), num_pieces(x.shape[0])
+        ctx.pieces = k
         lead = (world * x.shape[0],) + tuple(x.shape[1:-1])
         outs = [x.new_empty(lead + (w.shape[0],)) for w in weights]  # [s, b, out_i/tp]
-        out_chunks = [o.view(world, -1, o.shape[-1]) for o in outs]  # [tp, s/tp*b, out_i/tp]
+        out4 = [o.view(world, k, -1, o.shape[-1]) for o in outs]  # [tp, k, m, out_i/tp]
 
-        def multiply(src: int, chunk: torch.Tensor) -> None:  # chunk [s/tp, b, in] from rank src
-            rows = _rows(chunk)
-            for out, w, b in zip(out_chunks, weights, biases):
-                if b is None:
-                    torch.mm(rows, w.t(), out=out[src])
-                else:
-                    torch.addmm(b, rows, w.t(), out=out[src])
+        def multiply(j: int, gathered: torch.Tensor) -> None:  # gathered: piece j of every rank [tp, m, in]
+            for o, w, b in zip(out4, weights, biases):
+                _bmm_into(o[:, j], gathered, w.t(), b)
 
         with _no_autocast(x):
-            x_full = ring_all_gather(x, group, multiply)  # [s, b, in]
-        ctx.save_for_backward(x_full if save_gathered else x, *weights)
+            x_full = pipelined_all_gather(_rows(x), group, k, multiply, keep=save_gathered)  # [s*b, in]
+        ctx.save_for_backward(x_full.view(lead + (x.shape[-1],)) if save_gathered else x, *weights)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grad_ys):
         x_saved, *weights = ctx.saved_tensors
-        group, world = ctx.group, dist.get_world_size(ctx.group)
+        group, world, k = ctx.group, dist.get_world_size(ctx.group), ctx.pieces
         grads = [g.to(x_saved.dtype).contiguous() for g in grad_ys]  # [s, b, out_i/tp]
+        local_rows = x_saved.shape[0] // world if ctx.save_gathered else x_saved.shape[0]
+        local_shape = (local_rows,) + tuple(x_saved.shape[1:])  # [s/tp, b, in]
         with _no_autocast(x_saved):
             # the input for the weight gradient travels while the input-gradient GEMMs run
             gather = None if ctx.save_gathered else comm.all_gather_async(x_saved, 0, group)
-            chunks = [g.view(world, -1, g.shape[-1]) for g in grads]  # [tp, s/tp*b, out_i/tp]
+            g4 = [g.view(world, k, -1, g.shape[-1]) for g in grads]  # [tp, k, m, out_i/tp]
 
-            def grad_input_of(c: int) -> torch.Tensor:  # this rank's part of grad_x for chunk c
-                acc = torch.mm(chunks[0][c], weights[0])
-                for g, w in zip(chunks[1:], weights[1:]):
-                    acc.addmm_(g[c], w)
-                return acc  # [s/tp*b, in]
+            def grad_input_of(j: int) -> torch.Tensor:  # this rank's part of grad_x, piece j of all ranks
+                acc = torch.bmm(g4[0][:, j], weights[0].unsqueeze(0).expand(world, -1, -1))
+                for g, w in zip(g4[1:], weights[1:]):
+                    acc.baddbmm_(g[:, j], w.unsqueeze(0).expand(world, -1, -1))
+                return acc  # [tp, m, in]
 
-            pending = ring_reduce_scatter(grad_input_of, group)
+            rows = local_shape[0] * (x_saved[0].numel() // x_saved.shape[-1])  # s/tp*b
+            out = x_saved.new_empty((k, rows // k, x_saved.shape[-1]))  # this rank's grad_x, [k, m, in]
+            pending = pipelined_reduce_scatter(grad_input_of, out, group, k)
             x_rows = _rows(x_saved if gather is None else gather.wait())  # [s*b, in]
-            grad_ws = [_rows(g).t() @ x_rows for g in grads]  # hides the last hop of grad_x
+            grad_ws = [_rows(g).t() @ x_rows for g in grads]  # runs while grad_x is reduce-scattered
             grad_bs = [_rows(g).sum(0) if has else None for g, has in zip(grads, ctx.has_bias)]
             grad_x = pending.wait()
-        local_rows = x_saved.shape[0] // world if ctx.save_gathered else x_saved.shape[0]
-        local_shape = (local_rows,) + tuple(x_saved.shape[1:])  # [s/tp, b, in]
         param_grads = [None if g is None else g.to(dt) for g, dt in zip(grad_ws + grad_bs, ctx.param_dtypes)]
         return (grad_x.view(local_shape).to(ctx.x_dtype), None, None, *param_grads)
 
@@ -228,8 +221,8 @@ class _AllGatherLinear(torch.autograd.Function):
 class _LinearReduceScatter(torch.autograd.Function):
     """y_local = reduce_scatter_seq(h @ W^T): h [s, b, in/tp] -> y_local [s/tp, b, out].
 
-    Forward: the partial product of each chunk is computed just before it joins the ring.
-    Backward: grad_h = all_gather_seq(grad_y) @ W with each chunk multiplied on arrival, then
+    Forward: the partial product of each piece is reduce-scattered while the next is computed.
+    Backward: grad_h = all_gather_seq(grad_y) @ W with each piece multiplied on arrival, then
     grad_W = grad_y_full^T h.
     """
 
@@ -239,26 +232,29 @@ class _LinearReduceScatter(torch.autograd.Function):
         ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype)
         h, w = h.to(dtype).contiguous(), weight.to(dtype)
         world = dist.get_world_size(group)
-        chunks = h.view(world, -1, h.shape[-1])  # [tp, s/tp*b, in/tp]
+        k = ctx.pieces = num_pieces(h.shape[0] // world)
+        h4 = h.view(world, k, -1, h.shape[-1])  # [tp, k, m, in/tp]
+        w3 = w.t().unsqueeze(0).expand(world, -1, -1)  # [tp, in/tp, out], no copy
+        out = h.new_empty((k, h4.shape[2], w.shape[0]))  # this rank's rows, piece by piece [k, m, out]
         with _no_autocast(h):
-            y = ring_reduce_scatter(lambda c: chunks[c] @ w.t(), group).wait()  # [s/tp*b, out]
+            y = pipelined_reduce_scatter(lambda j: torch.bmm(h4[:, j], w3), out, group, k).wait()
         ctx.save_for_backward(h, w)
         return y.view((h.shape[0] // world,) + tuple(h.shape[1:-1]) + (w.shape[0],))
 
     @staticmethod
     def backward(ctx, grad_y):
         h, w = ctx.saved_tensors
-        world = dist.get_world_size(ctx.group)
+        world, k = dist.get_world_size(ctx.group), ctx.pieces
         grad_y = grad_y.to(h.dtype).contiguous()  # [s/tp, b, out]
         grad_h = h.new_empty(h.shape)  # [s, b, in/tp]
-        grad_h_chunks = grad_h.view(world, -1, h.shape[-1])
+        gh4 = grad_h.view(world, k, -1, h.shape[-1])  # [tp, k, m, in/tp]
 
-        def multiply(src: int, chunk: torch.Tensor) -> None:  # grad_y chunk [s/tp, b, out] from rank src
-            torch.mm(_rows(chunk), w, out=grad_h_chunks[src])
+        def multiply(j: int, gathered: torch.Tensor) -> None:  # piece j of every rank's grad_y [tp, m, out]
+            _bmm_into(gh4[:, j], gathered, w)
 
         with _no_autocast(h):
-            grad_full = ring_all_gather(grad_y, ctx.group, multiply)  # [s, b, out]
-            grad_w = _rows(grad_full).t() @ _rows(h)  # [out, in/tp]
+            grad_full = pipelined_all_gather(_rows(grad_y), ctx.group, k, multiply)  # [s*b, out]
+            grad_w = grad_full.t() @ _rows(h)  # [out, in/tp]
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None
 
 
