@@ -119,6 +119,30 @@ def linear_reduce_scatter_body(tp):
     assert_close(w_local.grad, w_ref.grad[:, cols], "weight grad")
 
 
+def autocast_body(tp):
+    """Under bf16 autocast the pipelined MLP computes in bf16 like F.linear would (same output dtype),
+    and returns fp32 parameter gradients, matching the plain path."""
+    ps = init_tp(tp)
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(ColumnParallelLinear(IN, 4 * IN, sequence_parallel=True), torch.nn.GELU(),
+                              RowParallelLinear(4 * IN, IN, sequence_parallel=True)).to(ps.device)
+    x_local = _randn(ps, torch.float32, SEQ, BATCH, IN)[_rows(ps, tp)]
+    results = []
+    for on in (True, False):
+        mlp.zero_grad()
+        with overlap.overlap_comm(on), torch.autocast(ps.device.type, dtype=torch.bfloat16):
+            assert mlp[0](x_local).dtype == torch.bfloat16, f"column output not bf16 (overlap={on})"
+            y = mlp(x_local.clone().requires_grad_())
+        y.float().square().sum().backward()
+        results.append((y.detach(), {n: p.grad.clone() for n, p in mlp.named_parameters()}))
+    (y_on, g_on), (y_off, g_off) = results
+    assert y_on.dtype == y_off.dtype, f"output dtype {y_on.dtype} with overlap, {y_off.dtype} without"
+    assert_close(y_on, y_off, "output", tol=2e-2)
+    for name, grad in g_off.items():
+        assert g_on[name].dtype == torch.float32, f"{name} grad is {g_on[name].dtype}"
+        assert_close(g_on[name], grad, f"{name} grad", tol=3e-2)
+
+
 def indivisible_sequence_body(tp):
     ps = init_tp(tp)
     h = torch.randn(SEQ + 1, BATCH, IN // tp, device=ps.device)
@@ -146,6 +170,10 @@ def test_all_gather_linear_with_several_weights_matches_reference(ranks, tp, sav
 @pytest.mark.parametrize("tp", [2, 4])
 def test_linear_reduce_scatter_matches_reference(ranks, tp):
     ranks(tp).run(linear_reduce_scatter_body, tp)
+
+
+def test_overlap_under_bf16_autocast_matches_overlap_off(ranks):
+    ranks(2).run(autocast_body, 2)
 
 
 def test_indivisible_sequence_raises_before_any_collective(ranks):
