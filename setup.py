@@ -45,7 +45,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "einops", "numpy", "pyyaml"],
     extras_require={
-        "test": ["pytest>=7", "triton>=3.0"],
+        "test": ["pytest>=7", "triton>=3.0", "transformers", "safetensors"],
         "hf": ["transformers", "safetensors"],
         "logging": ["tensorboard", "tqdm", "rich"],
     },

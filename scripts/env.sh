@@ -12,7 +12,7 @@ if ! python -c "import torch" 2>/dev/null; then
   echo "[tpflash] installing torch==2.13.0 (CPU)" >&2
   python -m pip install -q torch==2.13.0
 fi
-if ! python -c "import tpflash, pytest, triton, yaml" 2>/dev/null; then
+if ! python -c "import tpflash, pytest, triton, yaml, transformers, safetensors" 2>/dev/null; then
   echo "[tpflash] installing tpflash[test] (editable)" >&2
   python -m pip install -q -e ".[test]"
 fi
