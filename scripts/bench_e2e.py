@@ -199,6 +199,8 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             measured = _measure(impl, shape, args, ps, fallback=True)
         model, opt, step_s, loss = measured
         tok_gpu = args.batch * args.seq / ps.tp_size / step_s
+        if impl == "tpflash" and ps.tp_size > 1:  # which pipelining ran (TPFLASH_OVERLAP_PIECES)
+            row["note"] = "; ".join(filter(None, [row.get("note"), f"overlap k={overlap.num_pieces(args.seq // ps.tp_size)}"]))
         row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu, loss=loss,
                    mfu=tok_gpu * flops_per_token(shape, args) / (args.peak_tflops * 1e12),
                    peak_gib=_peak_gib(ps.device))
