@@ -137,7 +137,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.split_along_dim(x, -1, self.process_group)
-        if _pipelined(self):  # per-chunk GEMMs feed a ring reduce-scatter
+        if _pipelined(self):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
             y = _overlap.linear_reduce_scatter(x, self.weight, self.process_group)  # [seq/tp, *, out]
         else:
             y = F.linear(x, self.weight)  # [*, out] partial sum over tp
