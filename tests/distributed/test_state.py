@@ -3,7 +3,7 @@ import pytest
 import torch.distributed as dist
 
 import tpflash
-from tpflash.parallel import check_layout, get_default_state, set_default_state
+from tpflash.parallel import NO_GROUP, check_layout, get_default_state, set_default_state
 from tpflash.layers import ColumnParallelLinear
 
 
@@ -43,6 +43,7 @@ def explicit_group_body():
     pair, _ = dist.new_subgroups(group_size=2)
     assert ColumnParallelLinear(4, 8).weight.shape == (2, 4), "default: the tp=4 group"
     assert ColumnParallelLinear(4, 8, process_group=pair).weight.shape == (4, 4), "explicit group wins"
+    assert ColumnParallelLinear(4, 8, process_group=NO_GROUP).weight.shape == (8, 4), "NO_GROUP means tp=1"
     set_default_state(None)
     assert ColumnParallelLinear(4, 8).weight.shape == (8, 4), "no default state means tp=1"
 

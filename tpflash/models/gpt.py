@@ -21,19 +21,9 @@ from ..layers.attention import column_input
 from ..parallel import comm
 from ..parallel.random import RNGTracker
 from ..parallel.sharding import iter_sharded
-from ..parallel.state import get_default_state, group_rank, group_size, resolve_tp_group, set_default_state
+from ..parallel.state import NO_GROUP, get_default_state, group_rank, group_size, resolve_tp_group
 from .config import GPTConfig
 from .generate import generate
-
-
-@contextlib.contextmanager
-def _no_default_group():
-    saved = get_default_state()
-    set_default_state(None)
-    try:
-        yield
-    finally:
-        set_default_state(saved)
 
 
 def _as_autocast_would(h: torch.Tensor, weight: torch.Tensor):
@@ -157,16 +147,15 @@ class GPT(nn.Module):
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         target = targets.t()  # [seq, batch], the logits' token order
         # The losses read process_group=None as "the default tp group"; a tp=1 model means none.
-        scope = _no_default_group() if self.process_group is None else contextlib.nullcontext()
-        with scope:
-            if self.config.fused_loss:  # gathers h itself and never holds all the logits
-                h, weight, autocast_off = _as_autocast_would(h, self.head_weight)
-                with autocast_off:
-                    return losses.fused_linear_cross_entropy(h, weight, target, self.process_group,
-                                                             vocab_size=self.config.vocab_size,
-                                                             sequence_parallel=self.sequence_parallel)
-            return losses.vocab_parallel_cross_entropy(self._logits(h), target, self.process_group,
-                                                       vocab_size=self.config.vocab_size)
+        group = NO_GROUP if self.process_group is None else self.process_group
+        if self.config.fused_loss:  # gathers h itself and never holds all the logits
+            h, weight, autocast_off = _as_autocast_would(h, self.head_weight)
+            with autocast_off:
+                return losses.fused_linear_cross_entropy(h, weight, target, group,
+                                                         vocab_size=self.config.vocab_size,
+                                                         sequence_parallel=self.sequence_parallel)
+        return losses.vocab_parallel_cross_entropy(self._logits(h), target, group,
+                                                   vocab_size=self.config.vocab_size)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._check_input(idx, targets)

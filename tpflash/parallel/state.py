@@ -138,8 +138,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_tp_group(process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """The group a layer works on: the one given, else the default state's tp group, else None (tp=1)."""
+class _NoGroup:
+    """The type of NO_GROUP."""
+
+    def __repr__(self) -> str:
+        return "tpflash.parallel.NO_GROUP"
+
+
+NO_GROUP = _NoGroup()
+"""Pass as `process_group=` to mean "no tensor parallelism" even while a default state exists
+(None means "the default state's tp group")."""
+
+
+def resolve_tp_group(process_group) -> Optional[dist.ProcessGroup]:
+    """The group a layer works on: the one given, else the default state's tp group, else None (tp=1).
+    NO_GROUP resolves to None whatever the default state."""
+    if process_group is NO_GROUP:
+        return None
     if process_group is not None:
         return process_group
     state = get_default_state()
