@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .rendezvous import elastic_store
+
 
 @dataclass
 class ParallelState:
@@ -94,7 +96,8 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None,
          timeout_s: float = 600.0) -> ParallelState:
     """Initialise torch.distributed from the torchrun environment and build the (dp, tp) mesh.
 
-    Reads RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT through the env:// rendezvous);
+    Reads RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT through the env:// rendezvous, or
+    torchrun's store with keys per restart attempt under `--max-restarts`: see rendezvous.py);
     with none set, runs as a single process (world 1) on a local rendezvous. The backend is
     nccl when CUDA is available, else gloo. The device is cuda:LOCAL_RANK or cpu.
     The layout is checked before any group is created, so bad input cannot hang.
@@ -119,9 +122,12 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None,
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"),
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if use_cuda else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = elastic_store(timeout)  # under torchrun restarts: keys kept apart per attempt
+        where = {} if store is None else dict(store=store, rank=int(os.environ["RANK"]),
+                                              world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), timeout=timeout,
+                                device_id=device if use_cuda else None, **where)
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     state = ParallelState(
         mesh=mesh, tp_group=mesh["tp"].get_group(), dp_group=mesh["dp"].get_group(),

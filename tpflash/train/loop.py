@@ -20,7 +20,6 @@ from .config import TrainConfig, to_yaml
 from .data import load_tokens, make_tokenizer, token_format, split_train_eval, unigram_entropy
 from .faults import Fault, StopSignal
 from .gradients import all_reduce_grads_over_dp, clip_grads_, global_grad_norm, tp_sharded_param_ids
-from .rendezvous import init_default_group
 from .metrics import MetricsWriter, Throughput, check_logging, memory_gb, peak_flops
 from .sampler import GlobalSampler
 from .schedule import WarmupCosine
@@ -52,7 +51,6 @@ class Trainer:
         self.train_data, self.eval_data = split_train_eval(tokens, self.seq_len, cfg.data.eval_fraction)
         self.entropy = unigram_entropy(self.train_data.tokens, self.model_config.vocab_size)
 
-        init_default_group()  # under torchrun: store keys per restart attempt
         self.ps = parallel.init(tp=cfg.tp, dp=dp)
         self.device = self.ps.device
         self.is_main = dist.get_rank() == 0
