@@ -1,0 +1,82 @@
+"""The peers of scripts/bench_e2e.py: a plain-PyTorch GPT written the way users write it, and the same
+model under PyTorch's native DTensor tensor parallelism (as torchtitan parallelizes a GPT-2 block)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.head_dim = d // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):  # [b, s, d]
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # heads = local heads under TP
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d)
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class PlainGPT(nn.Module):
+    def __init__(self, d: int, layers: int, heads: int, vocab: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.norm, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.tok.weight
+        for name, p in self.named_parameters():  # GPT-2's init (a sane starting loss of ~ln V)
+            nn.init.normal_(p, std=0.02) if p.dim() == 2 else None
+        self.step_context = contextlib.nullcontext  # loss_parallel (forward and backward) under DTensor TP
+
+    def head_loss(self, x, targets):
+        logits = self.lm_head(self.norm(x))  # [b, s, V] (DTensor sharded on V under TP)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head_loss(x, targets)
+
+
+def compile_blocks(model: nn.Module) -> None:
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block)
+
+
+def dtensor_tp(model: PlainGPT, mesh) -> PlainGPT:
+    """Megatron-style TP + SP with PyTorch's own API (torchtitan's plan for a GPT-2 block)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, loss_parallel, parallelize_module)
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    parallelize_module(model, mesh, {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+    model.lm_head.weight = model.tok.weight  # re-tie: both are Shard(0) over the vocabulary
+    for block in model.blocks:
+        parallelize_module(block, mesh, {
+            "ln1": SequenceParallel(), "attn": gather, "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(), "fc": ColwiseParallel(input_layouts=Shard(1)),
+            "proj": RowwiseParallel(output_layouts=Shard(1))})
+    model.step_context = loss_parallel
+    return model
