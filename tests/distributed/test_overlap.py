@@ -210,3 +210,34 @@ def test_tp1_is_plain_linear():
     x, w, b = torch.randn(4, 2, 8), torch.randn(6, 8), torch.randn(6)
     assert torch.equal(overlap.all_gather_linear(x, [w], [b])[0], F.linear(x, w, b))
     assert torch.equal(overlap.linear_reduce_scatter(x, w), F.linear(x, w))
+
+
+def block_on_off_body(tp, mlp, n_kv_head):
+    """A sequence-parallel transformer block: q/k/v and up/gate share one pipelined gather."""
+    from tpflash.layers import ParallelTransformerBlock
+    ps = init_tp(tp)
+    dtype = work_dtype(ps.device)
+    torch.manual_seed(0)
+    block = ParallelTransformerBlock(IN, 4, n_kv_head, mlp=mlp, norm="rmsnorm", position="rotary",
+                                     sequence_parallel=True, device=ps.device, dtype=dtype)
+    x_local = _randn(ps, dtype, SEQ, BATCH, IN)[_rows(ps, tp)]
+    grad_y = _randn(ps, dtype, SEQ // tp, BATCH, IN, seed=ps.tp_rank)
+
+    def run():
+        x = x_local.clone().requires_grad_()
+        out, residual = block(x)
+        (out + residual).backward(grad_y)
+        grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+        block.zero_grad()
+        return (out + residual).detach(), x.grad, grads
+
+    with overlap.overlap_comm(False):
+        plain = run()
+    with overlap.overlap_comm(True):
+        _same(run(), plain, f"block mlp={mlp} n_kv_head={n_kv_head}")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mlp, n_kv_head", [("swiglu", 1), ("gelu", 4)])
+def test_block_with_overlap_matches_overlap_off(ranks, tp, mlp, n_kv_head):
+    ranks(tp).run(block_on_off_body, tp, mlp, n_kv_head)

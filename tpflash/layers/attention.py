@@ -22,7 +22,7 @@ from .. import kernels
 from ..parallel import comm
 from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_tp_group
-from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, init_linear_full
+from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_linears, init_linear_full
 from .rotary import RotaryEmbedding
 
 
@@ -36,15 +36,6 @@ def check_heads(n_head: int, n_kv_head: int, tp: int) -> None:
         raise ValueError(f"n_head={n_head} is not divisible by tp={tp}")
     if n_kv_head % tp and tp % n_kv_head:
         raise ValueError(f"n_kv_head={n_kv_head} must divide or be divisible by tp={tp}")
-
-
-def column_input(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """The input shared by several column-parallel GEMMs, one collective for all of them:
-    under SP all-gather [seq/tp, b, h] -> [seq, b, h] (reduce-scatter of the gradient), else the
-    identity with an all-reduce of the gradient."""
-    if sequence_parallel:
-        return comm.all_gather_along_seq(x, group)
-    return comm.copy_to_tp_region(x, group)
 
 
 class KVLinear(nn.Module):
@@ -74,13 +65,18 @@ class KVLinear(nn.Module):
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(b) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: the already gathered/copied column input (see `column_input`)."""
+    def local_weight_and_bias(self):
+        """The [local_kv_heads*head_dim, hidden] weight (and bias) this rank multiplies by; replicated
+        weights pass through copy_to_tp_region so their gradient is summed over the replicas."""
         weight, bias = self.weight, self.bias
         if self.replicated:
             weight = comm.copy_to_tp_region(weight, self.process_group)[self.rows]
             bias = None if bias is None else comm.copy_to_tp_region(bias, self.process_group)[self.rows]
-        return F.linear(x, weight, bias)
+        return weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: the already gathered/copied column input (see `column_parallel_linears`)."""
+        return F.linear(x, *self.local_weight_and_bias())
 
 
 class ParallelAttention(nn.Module):
@@ -122,12 +118,14 @@ class ParallelAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, rope_theta) if position == "rotary" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = column_input(x, self.process_group, self.sequence_parallel)  # [seq, b, hidden]
-        seq, batch = x.shape[0], x.shape[1]
+        (k_w, k_b), (v_w, v_b) = self.k_proj.local_weight_and_bias(), self.v_proj.local_weight_and_bias()
+        q, k, v = column_parallel_linears(x, [self.q_proj.weight, k_w, v_w], [self.q_proj.bias, k_b, v_b],
+                                          self.process_group, self.sequence_parallel)  # [seq, b, heads*hd]
+        seq, batch = q.shape[0], q.shape[1]
         # [seq, b, heads*hd] -> [b, seq, heads, hd] views (no copy; the kernel takes strides)
-        q = F.linear(x, self.q_proj.weight, self.q_proj.bias).view(seq, batch, self.local_heads, self.head_dim)
-        k = self.k_proj(x).view(seq, batch, self.local_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(seq, batch, self.local_kv_heads, self.head_dim)
+        q = q.view(seq, batch, self.local_heads, self.head_dim)
+        k = k.view(seq, batch, self.local_kv_heads, self.head_dim)
+        v = v.view(seq, batch, self.local_kv_heads, self.head_dim)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if self.rotary is not None:
             q, k = self.rotary(q, k)

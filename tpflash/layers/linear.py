@@ -16,7 +16,7 @@ inside `overlap_comm(True)` or under TPFLASH_OVERLAP=1 (off otherwise). Results 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -52,10 +52,34 @@ def _check_divisible(name: str, value: int, tp: int) -> None:
         raise ValueError(f"{name}={value} is not divisible by tp={tp}")
 
 
+def _overlap_applies(sequence_parallel: bool, seq_dim: int, group, overlap: Optional[bool]) -> bool:
+    """Whether the overlapped path is taken: SP on dim 0 over tp > 1 with overlap enabled."""
+    return sequence_parallel and seq_dim == 0 and group_size(group) > 1 and _overlap.resolve_overlap(overlap)
+
+
 def _pipelined(layer: nn.Module) -> bool:
-    """Whether `layer` takes the overlapped path: SP on dim 0 over tp > 1 with overlap enabled."""
-    return (layer.sequence_parallel and layer.seq_dim == 0 and group_size(layer.process_group) > 1
-            and _overlap.resolve_overlap(layer.overlap))
+    """Whether a Column/RowParallelLinear takes the overlapped path now."""
+    return _overlap_applies(layer.sequence_parallel, layer.seq_dim, layer.process_group, layer.overlap)
+
+
+def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                            biases: Sequence[Optional[torch.Tensor]], group, sequence_parallel: bool,
+                            overlap: Optional[bool] = None, seq_dim: int = 0,
+                            save_gathered_input: bool = True) -> List[torch.Tensor]:
+    """[F.linear(x_full, W_i, b_i)] for column-parallel weights W_i [out_i/tp, in] sharing one input.
+
+    One input collective serves them all (q/k/v, up/gate): under SP x [seq/tp, b, in] is
+    all-gathered along `seq_dim` (pipelined with the GEMMs when overlap is on, see
+    tpflash.parallel.overlap) and its gradient reduce-scattered; otherwise x is replicated and
+    its gradient all-reduced. Returns [seq, b, out_i/tp] per weight. Process group: `group`.
+    """
+    if _overlap_applies(sequence_parallel, seq_dim, group, overlap):
+        return list(_overlap.all_gather_linear(x, weights, biases, group, save_gathered_input))
+    if sequence_parallel:
+        x = comm.all_gather_along_seq(x, group, seq_dim)  # [seq, *, in]
+    else:
+        x = comm.copy_to_tp_region(x, group)
+    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -88,15 +112,8 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _pipelined(self):  # gather chunks multiplied as they arrive
-            y, = _overlap.all_gather_linear(x, [self.weight], [self.bias], self.process_group,
-                                            self.save_gathered_input)  # [seq, *, out/tp]
-        else:
-            if self.sequence_parallel:
-                x = comm.all_gather_along_seq(x, self.process_group, self.seq_dim)  # [seq, *, in]
-            else:
-                x = comm.copy_to_tp_region(x, self.process_group)
-            y = F.linear(x, self.weight, self.bias)  # [*, out/tp]
+        y, = column_parallel_linears(x, [self.weight], [self.bias], self.process_group, self.sequence_parallel,
+                                     self.overlap, self.seq_dim, self.save_gathered_input)  # [*, out/tp]
         if self.gather_output:
             y = comm.gather_along_dim(y, -1, self.process_group)
         return y

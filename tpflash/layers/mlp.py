@@ -9,8 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..parallel.state import group_size, resolve_tp_group
-from .attention import column_input
-from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear
+from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_linears
 
 # Elementwise activations of the non-gated MLP. "gelu" is the tanh approximation GPT-2 uses
 # (Hugging Face's "gelu_new"); "gelu_exact" is the erf form.
@@ -51,12 +50,13 @@ class ParallelMLP(nn.Module):
                                            device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = column_input(x, self.process_group, self.sequence_parallel)  # [seq, b, hidden], one collective
-        up = F.linear(x, self.up_proj.weight, self.up_proj.bias)  # [seq, b, ffn/tp]
+        projections = [self.up_proj] if self.gate_proj is None else [self.up_proj, self.gate_proj]
+        outs = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
+                                       self.process_group, self.sequence_parallel)  # [seq, b, ffn/tp] each
         if self.gate_proj is None:
-            h = ACTIVATIONS[self.mlp](up)
+            h = ACTIVATIONS[self.mlp](outs[0])
         else:
-            h = F.silu(F.linear(x, self.gate_proj.weight, self.gate_proj.bias)) * up
+            h = F.silu(outs[1]) * outs[0]
         return self.down_proj(h)  # [seq(/tp), b, hidden]
 
     def extra_repr(self) -> str:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .. import losses
 from ..layers import ParallelNorm, ParallelTransformerBlock, VocabParallelEmbedding
-from ..layers.attention import column_input
+from ..layers.linear import column_parallel_linears
 from ..parallel import comm
 from ..parallel.random import RNGTracker
 from ..parallel.sharding import iter_sharded
@@ -134,7 +134,7 @@ class GPT(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[seq(/tp), batch, hidden] -> [seq, batch, V'/tp] (padding columns left as computed)."""
-        return F.linear(column_input(h, self.process_group, self.sequence_parallel), self.head_weight)
+        return column_parallel_linears(h, [self.head_weight], [None], self.process_group, self.sequence_parallel)[0]
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         local = logits.shape[-1]
