@@ -69,6 +69,19 @@ def test_rng_states_are_restored(tmp_path):
     assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
 
 
+def test_dropout_streams_of_the_model_are_restored(tmp_path):
+    from tpflash.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("gpt2-tiny", dropout=0.5)).train()
+    idx = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(idx, idx)  # advances the dropout streams
+    tpflash.checkpoint.save(tmp_path, model, step=1)
+    expected = model(idx, idx)
+    model(idx, idx)  # advance further: the load must rewind
+    tpflash.checkpoint.load(tmp_path, model)
+    assert torch.equal(model(idx, idx), expected), "dropout after load differs from dropout after save"
+
+
 def test_optimizer_state_is_keyed_by_parameter_name(tmp_path):
     model, optimizer = _trained()
     tpflash.checkpoint.save(tmp_path, model, optimizer, step=2)

@@ -90,7 +90,7 @@ def _state_for_save(model, optimizer, step: int, extras: dict) -> dict:
     if optimizer is not None:
         state.update(optim.state_for_save(model, optimizer, slots))
     rank = _rank_world()[0]
-    state[f"{RNG_PREFIX}{rank}"] = to_blob(rng_state())
+    state[f"{RNG_PREFIX}{rank}"] = to_blob(rng_state(model))
     if rank == 0:
         state[META_KEY] = to_blob(meta_for_save(step, extras, model, _layout()))
     return state
@@ -228,5 +228,5 @@ def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         optim.apply_loaded(model, optimizer, targets, pending)
     meta = from_blob(targets[META_KEY])
     if meta["layout"]["world"] == world and rank in rng_keys:
-        set_rng_state(from_blob(targets[rng_keys[rank]]))
+        set_rng_state(from_blob(targets[rng_keys[rank]]), model)
     return restore_extras(meta, extra)

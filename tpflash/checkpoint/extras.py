@@ -73,9 +73,13 @@ def restore_extras(meta: dict, extras: Dict[str, object]) -> dict:
     return result
 
 
-def rng_state() -> dict:
-    """This process's RNG states: torch CPU, CUDA (current device), Python, NumPy (if imported)."""
+def rng_state(model=None) -> dict:
+    """This process's RNG states: torch CPU, CUDA (current device), Python, NumPy (if imported),
+    and the model's dropout streams (`model.rng_tracker`, tpflash.parallel.random) if it has them."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    tracker = getattr(model, "rng_tracker", None)
+    if tracker is not None:
+        state["tracker"] = tracker.get_states()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     import sys
@@ -84,8 +88,12 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, model=None) -> None:
+    """Restore what `rng_state(model)` returned (the tracker's streams only into a model that has one)."""
     torch.set_rng_state(state["torch"])
+    tracker = getattr(model, "rng_tracker", None)
+    if tracker is not None and "tracker" in state:
+        tracker.set_states(state["tracker"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
