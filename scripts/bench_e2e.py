@@ -1,6 +1,6 @@
 """End-to-end GPT training throughput: tpflash vs plain PyTorch vs PyTorch-native DTensor TP, one table.
 
-Run under torchrun (one process per GPU; tp = --tp, dp = world/tp):
+Run under torchrun (one process per GPU; tp = --tp, dp = world/tp, FSDP2 over dp when dp > 1):
     torchrun --nproc_per_node=2 scripts/bench_e2e.py --tp 2 --models gpt-1.3b,gpt-2.7b
     python scripts/bench_e2e.py --tiny          # CPU/gloo smoke test: never report its timings
 Every implementation trains the same GPT-2-style model (learned positions, LayerNorm, GELU-tanh,
@@ -38,10 +38,10 @@ from tpflash.models import GPT, GPTConfig  # noqa: E402
 from tpflash.parallel import overlap  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_peers import PlainGPT, compile_blocks, dtensor_tp  # noqa: E402
+from e2e_peers import PlainGPT, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
 
 MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560, layers=32, heads=32),
-          "tiny": dict(d=64, layers=2, heads=4)}
+          "gpt-6.7b": dict(d=4096, layers=32, heads=32), "tiny": dict(d=64, layers=2, heads=4)}
 IMPLS = ("tpflash", "tpflash-nooverlap", "plain", "plain-compile", "dtensor", "dtensor-compile")
 BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile": "plain-compile"}
 
@@ -55,12 +55,16 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=d,
                         sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss)
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
+        if ps.dp_size > 1:  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction on CUDA)
+            tpflash.parallel.apply_fsdp(model, ps)
         on = impl == "tpflash"
         return model, lambda idx, tgt: _with_overlap(on, model, idx, tgt), contextlib.nullcontext
     with torch.device(ps.device):
         model = PlainGPT(d, layers, heads, args.vocab, args.seq)
     if impl.startswith("dtensor"):
         model = dtensor_tp(model, ps.tp_mesh)
+    if ps.dp_size > 1:
+        shard_over_dp(model, ps)
     if impl.endswith("compile"):
         compile_blocks(model)
         if impl.startswith("plain"):

@@ -80,3 +80,16 @@ def dtensor_tp(model: PlainGPT, mesh) -> PlainGPT:
             "proj": RowwiseParallel(output_layouts=Shard(1))})
     model.step_context = loss_parallel
     return model
+
+
+def shard_over_dp(model: PlainGPT, ps) -> PlainGPT:
+    """FSDP2 over the dp mesh, each block then the root, as torchtitan composes it with TP (after
+    parallelize_module on the tp mesh of the same 2-D mesh); bf16 params, fp32 reduction on CUDA."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    cuda = ps.device.type == "cuda"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None,
+                                  reduce_dtype=torch.float32 if cuda else None)
+    for block in model.blocks:
+        fully_shard(block, mesh=ps.dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=ps.dp_mesh, mp_policy=policy)
+    return model
