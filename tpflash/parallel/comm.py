@@ -21,19 +21,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .state import group_rank, group_size
+
 ProcessGroup = Optional[dist.ProcessGroup]
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 (the GPU machines) has only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _size(group: ProcessGroup) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group: ProcessGroup) -> int:
-    return 0 if group is None else dist.get_rank(group)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class PendingCollective:
@@ -58,33 +52,33 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> None:
 def all_reduce_async(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:
     """Sum `x` over the group into a new tensor (x itself is left alone)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    work = dist.all_reduce(out, group=group, async_op=True) if _size(group) > 1 else None
+    work = dist.all_reduce(out, group=group, async_op=True) if group_size(group) > 1 else None
     return PendingCollective(work, out)
 
 
 def all_gather_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> PendingCollective:
     """Concatenate every rank's `x` along `dim` (rank order). [.., n, ..] -> [.., world*n, ..]"""
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return PendingCollective(None, x)
     dim = dim % x.dim()
     moved = x.movedim(dim, 0).contiguous()  # dim 0 gathers need no copy afterwards
     out = moved.new_empty((world * moved.shape[0],) + moved.shape[1:])
-    work = _all_gather_single(out, moved, group=group, async_op=True)
+    work = all_gather_single(out, moved, group=group, async_op=True)
     finish = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
     return PendingCollective(work, out, finish)
 
 
 def reduce_scatter_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> PendingCollective:
     """Sum `x` over the group and keep this rank's chunk along `dim`. [.., world*n, ..] -> [.., n, ..]"""
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return PendingCollective(None, x)
     dim = dim % x.dim()
     _check_divisible(x, dim, world, "reduce_scatter")
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // world,) + moved.shape[1:])
-    work = _reduce_scatter_single(out, moved, group=group, async_op=True)
+    work = reduce_scatter_single(out, moved, group=group, async_op=True)
     finish = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
     return PendingCollective(work, out, finish)
 
@@ -103,11 +97,11 @@ def reduce_scatter(x, dim, group):
 
 def split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """This rank's contiguous chunk of `x` along `dim` (no communication)."""
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     _check_divisible(x, dim, world, "split")
-    return x.chunk(world, dim=dim)[_rank(group)].contiguous()
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -169,22 +163,22 @@ class _AllGatherReduceScatter(torch.autograd.Function):
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (input of a column-parallel layer)."""
-    return x if _size(group) == 1 else _CopyToRegion.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward (output of a row-parallel layer)."""
-    return x if _size(group) == 1 else _ReduceFromRegion.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
 
 
 def split_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """Keep this rank's chunk along `dim` forward; all-gather the gradient backward."""
-    return x if _size(group) == 1 else _SplitAlongDim.apply(x, dim, group)
+    return x if group_size(group) == 1 else _SplitAlongDim.apply(x, dim, group)
 
 
 def gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """All-gather along `dim` forward; keep this rank's chunk of the gradient backward."""
-    return x if _size(group) == 1 else _GatherAlongDim.apply(x, dim, group)
+    return x if group_size(group) == 1 else _GatherAlongDim.apply(x, dim, group)
 
 
 def all_gather_along_seq(x: torch.Tensor, group: ProcessGroup, seq_dim: int = 0) -> torch.Tensor:
@@ -193,9 +187,9 @@ def all_gather_along_seq(x: torch.Tensor, group: ProcessGroup, seq_dim: int = 0)
     The gradient is reduced because each rank's consumer (a column-parallel GEMM) contributes
     a partial gradient for every token.
     """
-    return x if _size(group) == 1 else _AllGatherReduceScatter.apply(x, seq_dim, group, True)
+    return x if group_size(group) == 1 else _AllGatherReduceScatter.apply(x, seq_dim, group, True)
 
 
 def reduce_scatter_along_seq(x: torch.Tensor, group: ProcessGroup, seq_dim: int = 0) -> torch.Tensor:
     """Sequence parallelism: partial sums [seq, ...] -> summed [seq/tp, ...]; all-gather backward."""
-    return x if _size(group) == 1 else _AllGatherReduceScatter.apply(x, seq_dim, group, False)
+    return x if group_size(group) == 1 else _AllGatherReduceScatter.apply(x, seq_dim, group, False)

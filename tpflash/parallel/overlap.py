@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .state import group_size
 
 _ENV = "TPFLASH_OVERLAP"
 _forced: List[bool] = []  # stack of `overlap_comm` settings; the innermost wins
@@ -86,7 +87,7 @@ def pipelined_all_gather(x_local: torch.Tensor, group, pieces: int,
     world = dist.get_world_size(group)
     xp = x_local.contiguous().view((pieces, -1) + tuple(x_local.shape[1:]))  # [k, m, ...]
     bufs = [xp.new_empty((world * xp.shape[1],) + tuple(xp.shape[2:])) for _ in range(pieces)]  # [tp*m, ...]
-    works = [comm._all_gather_single(buf, xp[j], group=group, async_op=True) for j, buf in enumerate(bufs)]
+    works = [comm.all_gather_single(buf, xp[j], group=group, async_op=True) for j, buf in enumerate(bufs)]
     bufs = [buf.view((world,) + tuple(xp.shape[1:])) for buf in bufs]  # [tp, m, ...]
     full = xp.new_empty((world,) + tuple(xp.shape)) if keep else None  # [tp, k, m, ...]
     for j, (buf, work) in enumerate(zip(bufs, works)):
@@ -119,7 +120,7 @@ def pipelined_reduce_scatter(partial_for: Callable[[int], torch.Tensor], out: to
     works, partials = [], []
     for j in range(pieces):
         partials.append(partial_for(j).contiguous())  # [tp, m, ...], alive until the collective has read it
-        works.append(comm._reduce_scatter_single(out[j], partials[-1].flatten(0, 1), group=group, async_op=True))
+        works.append(comm.reduce_scatter_single(out[j], partials[-1].flatten(0, 1), group=group, async_op=True))
     return PendingReduceScatter(out, works, partials)
 
 
@@ -273,7 +274,7 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
         raise ValueError(f"got {len(weights)} weights but {len(biases)} biases")
-    if comm._size(group) == 1:
+    if group_size(group) == 1:
         return [torch.nn.functional.linear(x_local, w, b) for w, b in zip(weights, biases)]
     return list(_AllGatherLinear.apply(x_local, group, save_gathered_input, *weights, *biases))
 
@@ -284,7 +285,7 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None) -> 
     h: [s, b, in/tp] (sequence-first); weight: [out, in/tp]; returns this rank's summed tokens
     [s/tp, b, out]. Raises ValueError when s is not divisible by tp. Process group: `group`.
     """
-    world = comm._size(group)
+    world = group_size(group)
     if world == 1:
         return torch.nn.functional.linear(h, weight)
     if h.shape[0] % world:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .state import group_rank, group_size
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
             expected[spec.dim] = spec.full_size
             if list(full.shape) != expected:
                 raise ValueError(f"{key}: checkpoint shape {tuple(full.shape)} != model shape {tuple(expected)}")
-            full = spec.shard(full, comm._rank(group), comm._size(group))
+            full = spec.shard(full, group_rank(group), group_size(group))
         elif tuple(full.shape) != tuple(target.shape):
             raise ValueError(f"{key}: checkpoint shape {tuple(full.shape)} != model shape {tuple(target.shape)}")
         pieces[key] = full
