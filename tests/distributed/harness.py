@@ -14,7 +14,7 @@ import shutil
 import socket
 import tempfile
 import traceback
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -68,9 +68,9 @@ def _worker(rank: int, world_size: int, port: int, store_file: str, backend: str
 class RankPool:
     """world_size processes with an initialised default process group, waiting for bodies to run."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, backend: Optional[str] = None):
         self.world_size = world_size
-        self.backend = backend_for(world_size)
+        self.backend = backend or backend_for(world_size)
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
@@ -123,17 +123,19 @@ class RankPool:
 
 
 class PoolCache:
-    """One live RankPool per world size; a broken pool is replaced on next use."""
+    """One live RankPool per (world size, backend); a broken pool is replaced on next use."""
 
     def __init__(self):
-        self.pools: Dict[int, RankPool] = {}
+        self.pools: Dict[Tuple[int, str], RankPool] = {}
+        self.backend: Optional[str] = None  # None: backend_for(world_size); set per test by conftest.py
 
     def __call__(self, world_size: int) -> RankPool:
-        pool = self.pools.get(world_size)
+        key = (world_size, self.backend or backend_for(world_size))
+        pool = self.pools.get(key)
         if pool is None or pool.broken:
             if pool is not None:
                 pool.close()
-            pool = self.pools[world_size] = RankPool(world_size)
+            pool = self.pools[key] = RankPool(world_size, key[1])
         return pool
 
     def close(self) -> None:

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from tests.distributed.checks import init_tp
-from tests.models.reference import RefAttention, check_against_reference, cpu_gloo_only
+from tests.models.reference import RefAttention, check_against_reference
 from tpflash.layers import ParallelAttention
 from tpflash.parallel import full_state_dict, set_default_state
 
-pytestmark = cpu_gloo_only()
+pytestmark = pytest.mark.cpu_ranks  # fp32 CPU references: gloo even where GPUs are visible
 
 HIDDEN = 32
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from tests.distributed.checks import assert_close, init_tp
-from tests.models.reference import RefBlock, check_against_reference, cpu_gloo_only, seq_rows
+from tests.models.reference import RefBlock, check_against_reference, seq_rows
 from tpflash.layers import ParallelTransformerBlock
 from tpflash.parallel import comm
 from tpflash.parallel.random import RNGTracker
 
-pytestmark = cpu_gloo_only()
+pytestmark = pytest.mark.cpu_ranks  # fp32 CPU references: gloo even where GPUs are visible
 
 HIDDEN, HEADS, FFN = 32, 4, 64
 GPT2 = dict(n_kv_head=4, mlp="gelu", norm="layernorm", position="learned", bias=True)

@@ -9,6 +9,8 @@ import tpflash
 from tests.checkpoint.tiny_model import build, full_state, make_optimizer, train
 from tests.distributed.checks import assert_close, init_tp
 
+pytestmark = pytest.mark.cpu_ranks  # the tiny models live on CPU: gloo even where GPUs are visible
+
 SAVE_AT, MORE = 3, 3  # train 3 steps, save, train 3 more
 
 

@@ -2,12 +2,15 @@
 a crash mid-save keeps the previous checkpoint; an async save stages what it saves."""
 import os
 
+import pytest
 import torch
 
 import tpflash
 from tests.checkpoint.tiny_model import build, full_state, make_optimizer, train
 from tests.distributed.checks import init_tp
 from tpflash.checkpoint import CheckpointCorruptError, directory
+
+pytestmark = pytest.mark.cpu_ranks  # the tiny models live on CPU
 
 
 def _trained(tp, steps):

@@ -10,6 +10,8 @@ from tests.checkpoint.tiny_model import TinyBlock, TinyLM, batch, build, full_st
 from tests.distributed.checks import assert_close, init_tp
 from tpflash.parallel.fsdp import apply_fsdp, block_wrap_policy, hsdp_mesh, select_units, size_wrap_policy
 
+pytestmark = pytest.mark.cpu_ranks  # the tiny models live on CPU: gloo even where GPUs are visible
+
 STEPS = 3
 
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from tests.distributed.checks import assert_close, init_tp
-from tests.models.reference import assert_grad_close, cpu_gloo_only, full_grads
+from tests.models.reference import assert_grad_close, full_grads
 from tpflash.models import GPT, GPTConfig
 from tpflash.parallel import comm, full_state_dict, set_default_state
 
-pytestmark = cpu_gloo_only()
+pytestmark = pytest.mark.cpu_ranks  # fp32 CPU references: gloo even where GPUs are visible
 
 VOCAB, SEQ, BATCH = 101, 8, 2  # 101: the vocab is padded at tp 2 and 4
 

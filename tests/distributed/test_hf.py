@@ -4,11 +4,10 @@ import pytest
 import torch
 
 from tests.distributed.checks import init_tp
-from tests.models.reference import cpu_gloo_only
 from tpflash.models import from_hf, to_hf
 from tpflash.parallel import comm
 
-pytestmark = cpu_gloo_only()
+pytestmark = pytest.mark.cpu_ranks  # fp32 CPU references: gloo even where GPUs are visible
 
 VOCAB, SEQ = 101, 8
 

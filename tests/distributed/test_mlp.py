@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from tests.distributed.checks import init_tp
-from tests.models.reference import RefMLP, check_against_reference, cpu_gloo_only
+from tests.models.reference import RefMLP, check_against_reference
 from tpflash.layers import ParallelMLP
 
-pytestmark = cpu_gloo_only()
+pytestmark = pytest.mark.cpu_ranks  # fp32 CPU references: gloo even where GPUs are visible
 
 HIDDEN, FFN = 16, 64
 

@@ -137,13 +137,3 @@ def assert_grad_close(actual, expected, name):
         assert (actual - expected).abs().max() < 1e-5, f"{name}: {actual} != {expected}"
     else:
         assert_close(actual, expected, name)
-
-
-def cpu_gloo_only():
-    """pytestmark for the fp32 CPU reference tests: they build CPU tensors, which NCCL cannot carry.
-    On a GPU machine run them with TPFLASH_TEST_BACKEND=gloo."""
-    import pytest
-
-    from tests.distributed.harness import backend_for
-
-    return pytest.mark.skipif(backend_for(2) == "nccl", reason="fp32 CPU reference test: set TPFLASH_TEST_BACKEND=gloo")
