@@ -50,6 +50,19 @@ def all_reduce_grads_over_dp(model: nn.Module, dp_group: Optional[dist.ProcessGr
             offset += g.numel()
 
 
+def _sum_of_squares(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """sum of squares of all `grads` in fp32, a few fused kernels rather than one per tensor."""
+    by_kind = {}
+    for g in grads:
+        g = _local(g).detach()
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in by_kind.values():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32)
+        total = total + torch.stack(norms).square().sum().to(device)
+    return total
+
+
 def global_grad_norm(model: nn.Module, tp_group: Optional[dist.ProcessGroup],
                      dp_group: Optional[dist.ProcessGroup], grads_sharded_over_dp: bool,
                      sharded_ids: Optional[Set[int]] = None) -> torch.Tensor:
@@ -57,9 +70,9 @@ def global_grad_norm(model: nn.Module, tp_group: Optional[dist.ProcessGroup],
     sharded_ids = tp_sharded_param_ids(model) if sharded_ids is None else sharded_ids
     pairs = _grads(model)
     device = pairs[0][1].device if pairs else torch.device("cpu")
-    sums = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, replicated over tp]
-    for p, g in pairs:
-        sums[0 if id(p) in sharded_ids else 1] += _local(g).detach().float().pow(2).sum()
+    sums = torch.stack([  # [tp-sharded, replicated over tp]
+        _sum_of_squares([g for p, g in pairs if id(p) in sharded_ids], device),
+        _sum_of_squares([g for p, g in pairs if id(p) not in sharded_ids], device)])
     if grads_sharded_over_dp and dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(sums, group=dp_group)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
