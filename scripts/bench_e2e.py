@@ -39,6 +39,7 @@ from tpflash.parallel import overlap  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_peers import PlainGPT, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
+from e2e_profile import profile_exposed_comm  # noqa: E402
 
 MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560, layers=32, heads=32),
           "gpt-6.7b": dict(d=4096, layers=32, heads=32), "tiny": dict(d=64, layers=2, heads=4)}
@@ -92,22 +93,31 @@ def time_steps(loss_fn, step_context, opt, args, ps):
     inputs, targets = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     amp = (torch.autocast(ps.device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
            else contextlib.nullcontext())
-    times, losses = [], []
-    for step in range(args.warmup + args.steps):
-        _sync(ps.device)
-        t0 = time.perf_counter()
+    def one_step():
         with step_context():
             with amp:
                 loss = loss_fn(inputs, targets)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        _sync(ps.device)
+        t0 = time.perf_counter()
+        loss = one_step()
         _sync(ps.device)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-            loss = loss.detach()
             losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
-    return statistics.median(times), losses[0]
+    extra = {}
+    if args.profile and ps.device.type == "cuda":  # after timing: the profiler's overhead stays out of it
+        try:
+            extra = profile_exposed_comm(one_step)
+        except Exception as exc:  # a profiler problem must not lose the timed row
+            extra = {"note": f"profile failed: {_describe(exc)[:60]}"}
+    return statistics.median(times), losses[0], extra
 
 
 def _sync(device):
@@ -129,7 +139,10 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
         if measured is None:  # retried outside the except block, so the failed attempt's memory is free
             _cleanup(ps)
             measured = _measure(impl, shape, args, ps, fallback=True)
-        model, opt, step_s, loss = measured
+        model, opt, step_s, loss, extra = measured
+        if "note" in extra:
+            row["note"] = "; ".join(filter(None, [row.get("note"), extra.pop("note")]))
+        row.update(extra)
         tok_gpu = args.batch * args.seq / ps.tp_size / step_s
         if impl == "tpflash" and ps.tp_size > 1:  # which pipelining ran (TPFLASH_OVERLAP_PIECES)
             row["note"] = "; ".join(filter(None, [row.get("note"), f"overlap k={overlap.num_pieces(args.seq // ps.tp_size)}"]))
@@ -153,8 +166,8 @@ def _measure(impl, shape, args, ps, fallback: bool):
     tpflash_impl = impl.startswith("tpflash")
     model, loss_fn, step_context = build(impl, shape, args, ps, fused_loss=not (fallback and tpflash_impl))
     opt = make_optimizer(model, ps.device, fused=not (fallback and not tpflash_impl))
-    step_s, loss = time_steps(loss_fn, step_context, opt, args, ps)
-    return model, opt, step_s, loss
+    step_s, loss, extra = time_steps(loss_fn, step_context, opt, args, ps)
+    return model, opt, step_s, loss, extra
 
 
 def _describe(exc: BaseException) -> str:
@@ -251,8 +264,11 @@ def table(rows: list) -> str:
         else:
             base = tp1.get((r["model"], BASELINE.get(r["impl"], r["impl"]) if r["tp"] > 1 else r["impl"]))
             eff = f"{r['tok_s_gpu'] / base:.2f}" if base else ""
+            notes = [f"loss {r['loss']:.3f}", r.get("note")]
+            if "exposed_comm_ms" in r:
+                notes.append(f"comm {r['comm_ms']:.1f} ms/step, exposed {r['exposed_comm_ms']:.1f}")
             cells = [f"{r['tok_s_gpu']:,.0f}", f"{r['mfu']:.3f}", f"{r['step_ms']:.1f}",
-                     f"{r['peak_gib']:.1f}", eff, f"loss {r['loss']:.3f}" + ("; " + r["note"] if "note" in r else "")]
+                     f"{r['peak_gib']:.1f}", eff, "; ".join(filter(None, notes))]
         lines.append("| " + " | ".join([r["model"], r["impl"], f"{r['tp']}x{r['dp']}"] + cells) + " |")
     return "\n".join(lines)
 
@@ -274,6 +290,8 @@ def parse_args(argv=None):
     p.add_argument("--results", default="bench_e2e.jsonl", help="JSON lines, appended; the table covers all")
     p.add_argument("--table", default=None, help="also write the markdown table here")
     p.add_argument("--tiny", action="store_true", help="tiny model, a few steps: a CPU/gloo smoke test")
+    p.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (CUDA) and report the "
+                                                          "communication time and the part no kernel hides")
     p.add_argument("--table-only", action="store_true", help="print the table of --results and exit (no run)")
     args = p.parse_args(argv)
     if args.tiny:

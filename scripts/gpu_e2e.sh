@@ -21,8 +21,9 @@ RUN="python3 -m torch.distributed.run --standalone"
 timeout "${T1:-200}" $RUN --nproc_per_node=1 scripts/bench_e2e.py --tp 1 $COMMON \
   --models gpt-2.7b,gpt-1.3b --impls tpflash,plain,plain-compile 2>&1 | tee "$OUT/tp1.log"
 # tp=2, two GPUs: tpflash with overlap on/off, PyTorch's DTensor TP eager/compiled, the collectives alone
+# (--profile: 2 more steps under the profiler give each row its communication and exposed-communication time)
 timeout "${T2:-200}" $RUN --nproc_per_node=2 scripts/bench_e2e.py --tp 2 $COMMON \
-  --models gpt-2.7b,gpt-1.3b --impls tpflash,tpflash-nooverlap,dtensor-compile,dtensor 2>&1 | tee "$OUT/tp2.log"
+  --models gpt-2.7b,gpt-1.3b --impls tpflash,tpflash-nooverlap,dtensor-compile,dtensor --profile 2>&1 | tee "$OUT/tp2.log"
 # overlap with 2 pieces per rank instead of 4 (the row's note says k), if time is left
 TPFLASH_OVERLAP_PIECES=2 timeout "${T3:-60}" $RUN --nproc_per_node=2 scripts/bench_e2e.py --tp 2 $COMMON \
   --models gpt-2.7b --impls tpflash --no-comm-probe 2>&1 | tee "$OUT/tp2_k2.log"

@@ -1,0 +1,76 @@
+"""Exposed communication in a training step, from a profiler trace (for scripts/bench_e2e.py --profile).
+
+A collective is *exposed* when its kernel runs while no compute kernel runs on the device: that
+time is what overlap can still win. From the CUDA kernels of a few profiled steps:
+    comm     = |union of NCCL kernel intervals|
+    exposed  = |union of NCCL intervals minus union of all other kernel intervals|
+both per step, in ms. The interval arithmetic is plain Python, tested on CPU (tests/test_e2e_profile.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Tuple
+
+import torch
+
+Interval = Tuple[float, float]
+
+
+def union(intervals: Iterable[Interval]) -> List[Interval]:
+    """Sorted, non-overlapping intervals covering the same points."""
+    merged: List[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def minus(a: List[Interval], b: List[Interval]) -> List[Interval]:
+    """Parts of the union `a` not covered by the union `b` (both sorted and disjoint)."""
+    out, j = [], 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k, cursor = j, start
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                out.append((cursor, b[k][0]))
+            cursor = max(cursor, b[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def comm_and_exposed(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float, float]:
+    """(comm, exposed) time from (name, start, end) kernel records, in their time unit."""
+    comm, compute = [], []
+    for name, start, end in kernels:
+        (comm if "nccl" in name.lower() else compute).append((start, end))
+    comm_u = union(comm)
+    return length(comm_u), length(minus(comm_u, union(compute)))
+
+
+def _cuda_kernels(prof) -> List[Tuple[str, float, float]]:
+    """(name, start_us, end_us) of every device-side event in a finished torch.profiler run."""
+    out = []
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and evt.time_range.elapsed_us() > 0:
+            out.append((evt.name, evt.time_range.start, evt.time_range.end))
+    return out
+
+
+def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2) -> dict:
+    """Profile `steps` calls of run_step on CUDA; {"comm_ms", "exposed_comm_ms"} per step."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run_step()
+        torch.cuda.synchronize()
+    comm, exposed = comm_and_exposed(_cuda_kernels(prof))
+    return {"comm_ms": comm / 1e3 / steps, "exposed_comm_ms": exposed / 1e3 / steps}
