@@ -56,6 +56,37 @@ def comm_and_exposed(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float
     return length(comm_u), length(minus(comm_u, union(compute)))
 
 
+# Kernel name fragments -> category, first match wins (names from cuBLAS, cuDNN, NCCL, Triton, ATen).
+CATEGORIES = (
+    ("comm", ("nccl",)),
+    ("attention", ("flash", "fmha", "attn", "cudnn", "sdpa", "_delta_kernel")),
+    ("gemm", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "_mm_")),
+    ("norm", ("norm",)),
+    ("cross-entropy", ("cross_entropy", "_ce_", "log_softmax", "nll_loss")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("rotary", ("rotary",)),
+)
+
+
+def category(name: str) -> str:
+    """The category of a CUDA kernel by its name: one of CATEGORIES' keys or "other"."""
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(key in low for key in keys):
+            return cat
+    return "other"
+
+
+def kernel_breakdown(kernels: Iterable[Tuple[str, float, float]], steps: int = 1, top: int = 12) -> dict:
+    """Busy time per category (summed kernel durations, per step) and the `top` kernels by time."""
+    per_cat, per_name = {}, {}
+    for name, start, end in kernels:
+        per_cat[category(name)] = per_cat.get(category(name), 0.0) + (end - start) / steps
+        per_name[name] = per_name.get(name, 0.0) + (end - start) / steps
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"by_category": dict(sorted(per_cat.items(), key=lambda kv: -kv[1])), "top_kernels": ranked}
+
+
 def _cuda_kernels(prof) -> List[Tuple[str, float, float]]:
     """(name, start_us, end_us) of every device-side event in a finished torch.profiler run."""
     out = []
@@ -66,11 +97,20 @@ def _cuda_kernels(prof) -> List[Tuple[str, float, float]]:
 
 
 def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2) -> dict:
-    """Profile `steps` calls of run_step on CUDA; {"comm_ms", "exposed_comm_ms"} per step."""
+    """Profile `steps` calls of run_step on CUDA; {"comm_ms", "exposed_comm_ms"} per step.
+
+    Also prints the GPU time per kernel category and the top kernels, where a step's time goes."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             run_step()
         torch.cuda.synchronize()
-    comm, exposed = comm_and_exposed(_cuda_kernels(prof))
+    kernels = _cuda_kernels(prof)
+    comm, exposed = comm_and_exposed(kernels)
+    breakdown = kernel_breakdown([(n, s / 1e3, e / 1e3) for n, s, e in kernels], steps)  # ms per step
+    busy = sum(breakdown["by_category"].values())
+    print(f"[profile] GPU busy {busy:.1f} ms/step by category: "
+          + ", ".join(f"{c} {t:.1f}" for c, t in breakdown["by_category"].items()), flush=True)
+    for name, t in breakdown["top_kernels"]:
+        print(f"[profile]   {t:7.2f} ms  {name[:110]}", flush=True)
     return {"comm_ms": comm / 1e3 / steps, "exposed_comm_ms": exposed / 1e3 / steps}

@@ -3,7 +3,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from e2e_profile import comm_and_exposed, minus, union  # noqa: E402
+from e2e_profile import category, comm_and_exposed, kernel_breakdown, minus, union  # noqa: E402
 
 
 def test_union_merges_overlapping_and_touching_intervals():
@@ -20,3 +20,12 @@ def test_exposed_communication_is_nccl_time_with_no_compute_running():
                ("layer_norm", 13, 20)]
     comm, exposed = comm_and_exposed(kernels)
     assert comm == 12 and exposed == 6 + 1  # [0,2) + [6,10) + [12,13)
+
+
+def test_kernel_breakdown_sums_time_per_category_per_step():
+    kernels = [("ncclDevKernel_AllGather", 0, 4), ("sm90_xmma_gemm_bf16", 4, 10), ("_layer_norm_fwd", 10, 11),
+               ("sm90_xmma_gemm_bf16", 11, 17), ("vectorized_elementwise_kernel", 17, 18)]
+    out = kernel_breakdown(kernels, steps=2)
+    assert out["by_category"] == {"gemm": 6.0, "comm": 2.0, "norm": 0.5, "other": 0.5}
+    assert out["top_kernels"][0] == ("sm90_xmma_gemm_bf16", 6.0)
+    assert category("cudnn_generated_fort_native_sdpa_sm90") == "attention"

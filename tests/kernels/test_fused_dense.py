@@ -248,3 +248,24 @@ def test_unaligned_widths_fall_back_to_composition_on_gpu():
     inputs = _mlp_inputs((2, 33, 36), 100, 20, torch.bfloat16, "cuda")  # widths not multiples of 8
     _check_against_fp64(fused_dense_gelu_dense, inputs, ["dx", "dw1", "db1", "dw2", "db2"],
                         TOL[torch.bfloat16], "auto", fused_node=False)
+
+
+@pytest.mark.gpu
+def test_parallel_mlp_with_fused_dense_matches_unfused_mlp_on_gpu():
+    # tp=1 (no group): the layer's fused path goes through the extension and agrees with its unfused path
+    _need_extension("extension")
+    from tpflash.layers import ParallelMLP
+    torch.manual_seed(0)
+    unfused = ParallelMLP(256, 1024, mlp="gelu", device="cuda")
+    fused = ParallelMLP(256, 1024, mlp="gelu", fused_dense=True, device="cuda")
+    fused.load_state_dict(unfused.state_dict())
+    x = torch.randn(64, 2, 256, device="cuda")
+    results = []
+    for layer in (unfused, fused):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(x)
+        out.float().square().sum().backward()
+        results.append([out] + [p.grad for p in layer.parameters()])
+    assert "FusedDenseGeluDenseBackward" in _autograd_nodes(out)
+    for a, b in zip(*results):
+        assert _rel_err(b, a) <= TOL[torch.bfloat16]

@@ -47,10 +47,12 @@ def _cudnn_sdpa(q, k, v, causal, scale, cu_seqlens, return_lse):
 
     scripts/bench_kernels.py measured cuDNN at ~1.6-1.9x tpflash's Triton kernel (fwd+bwd, H200,
     docs/performance.md), so "auto" takes it for what it supports here: batched MHA, fp16/bf16,
-    head_dim 64/128, no lse wanted, and top-left == bottom-right causal alignment (seq_q == seq_k).
+    head_dim a multiple of 8 up to 128 (gpt-2.7b's 80 included), no lse wanted, and top-left ==
+    bottom-right causal alignment (seq_q == seq_k).
     """
+    hd = q.shape[-1]
     if (cu_seqlens is not None or return_lse or q.shape[2] != k.shape[2] or q.dtype not in _HALF
-            or q.shape[-1] not in (64, 128) or (causal and q.shape[1] != k.shape[1])):
+            or hd % 8 or hd > 128 or (causal and q.shape[1] != k.shape[1])):
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
     try:
@@ -75,7 +77,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     (offsets of each sequence, the same for q and k); max_seqlen = the longest sequence (computed
     when omitted, at the cost of a device sync).
     Backends: Triton on CUDA, the reference on CPU; under "auto", batched MHA in fp16/bf16 at head_dim
-    64/128 (without return_lse) goes to torch SDPA's cuDNN backend, which measured faster (see
+    a multiple of 8 up to 128 (without return_lse) goes to torch SDPA's cuDNN backend, which measured faster (see
     docs/performance.md); use_backend("triton") forces the Triton kernel.
     Returns out shaped like q (its dtype; contiguous for the Triton kernel), and with return_lse also the fp32 log-sum-exp of
     the scaled scores, [batch, heads_q, seq_q] (varlen: [heads_q, total]). Differentiable in q, k, v.

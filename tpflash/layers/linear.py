@@ -75,11 +75,16 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     """
     if _overlap_applies(sequence_parallel, seq_dim, group, overlap):
         return list(_overlap.all_gather_linear(x, weights, biases, group, save_gathered_input))
-    if sequence_parallel:
-        x = comm.all_gather_along_seq(x, group, seq_dim)  # [seq, *, in]
-    else:
-        x = comm.copy_to_tp_region(x, group)
+    x = column_parallel_input(x, group, sequence_parallel, seq_dim)  # [seq, *, in]
     return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool, seq_dim: int = 0) -> torch.Tensor:
+    """The full input of column-parallel GEMMs: under SP x [seq/tp, *, in] all-gathered along `seq_dim`
+    (gradient reduce-scattered), else x itself (replicated; gradient all-reduced over `group`)."""
+    if sequence_parallel:
+        return comm.all_gather_along_seq(x, group, seq_dim)
+    return comm.copy_to_tp_region(x, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -156,12 +161,21 @@ class RowParallelLinear(nn.Module):
             x = comm.split_along_dim(x, -1, self.process_group)
         if _pipelined(self):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
             y = _overlap.linear_reduce_scatter(x, self.weight, self.process_group)  # [seq/tp, *, out]
+            return self.add_bias(y)
+        return self.reduce_partial_sum(F.linear(x, self.weight))
+
+    def reduce_partial_sum(self, y: torch.Tensor) -> torch.Tensor:
+        """This layer's output from the rank's partial product y = x_local W_local^T [*, out]: summed over
+        tp (reduce-scattered along the sequence under SP), plus the bias. For callers that compute
+        the GEMM themselves (ParallelMLP's fused dense path)."""
+        if self.sequence_parallel:
+            y = comm.reduce_scatter_along_seq(y, self.process_group, self.seq_dim)
         else:
-            y = F.linear(x, self.weight)  # [*, out] partial sum over tp
-            if self.sequence_parallel:
-                y = comm.reduce_scatter_along_seq(y, self.process_group, self.seq_dim)
-            else:
-                y = comm.reduce_from_tp_region(y, self.process_group)
+            y = comm.reduce_from_tp_region(y, self.process_group)
+        return self.add_bias(y)
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """y + bias for the reduced output y; under SP the bias gradient is summed over tp."""
         bias = self.bias
         if bias is not None and self.sequence_parallel:  # each rank's tokens give a partial bias grad
             bias = comm.copy_to_tp_region(bias, self.process_group)

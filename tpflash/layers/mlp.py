@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..parallel.state import group_size, resolve_tp_group
-from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_linears
+from ..kernels.fused_dense import fused_dense_gelu_dense
+from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears
 
 # Elementwise activations of the non-gated MLP. "gelu" is the tanh approximation GPT-2 uses
 # (Hugging Face's "gelu_new"); "gelu_exact" is the erf form.
@@ -28,15 +29,24 @@ class ParallelMLP(nn.Module):
     the output has x's layout. up/gate split ffn_hidden over tp (each rank computes
     ffn_hidden/tp features), down sums them back (all-reduce, or reduce-scatter under SP).
     Parameters: up_proj, gate_proj (swiglu only), down_proj, in nn.Linear layouts.
+
+    fused_dense=True (mlp="gelu" only) runs up -> GELU -> down through
+    tpflash.kernels.fused_dense_gelu_dense (the cuBLASLt extension of csrc/ with its bias/GELU
+    epilogues where it is built, the same composition otherwise), without overlap pipelining.
+    Off by default: on an H100 it measured slower than the unfused GEMMs at every MLP shape of
+    gpt-1.3b/2.7b, tp 1/2/4 (docs/performance.md, "Fused dense").
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, mlp: str = "gelu", bias: bool = True,
                  sequence_parallel: bool = False, process_group=None, *,
                  init_method: Optional[InitMethod] = None, out_init_method: Optional[InitMethod] = None,
-                 device=None, dtype=None):
+                 fused_dense: bool = False, device=None, dtype=None):
         super().__init__()
         if mlp not in MLPS:
             raise ValueError(f"mlp={mlp!r} must be one of {MLPS}")
+        if fused_dense and mlp != "gelu":
+            raise ValueError(f"fused_dense=True needs mlp='gelu' (cuBLASLt's tanh GELU epilogue), got mlp={mlp!r}")
+        self.fused_dense = fused_dense
         self.process_group = resolve_tp_group(process_group)
         tp = group_size(self.process_group)
         if ffn_hidden % tp:
@@ -50,6 +60,11 @@ class ParallelMLP(nn.Module):
                                            device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_dense:
+            x_full = column_parallel_input(x, self.process_group, self.sequence_parallel)  # [seq, b, hidden]
+            partial = fused_dense_gelu_dense(x_full, self.up_proj.weight, self.up_proj.bias,
+                                             self.down_proj.weight, None)  # [seq, b, hidden], summed over tp below
+            return self.down_proj.reduce_partial_sum(partial)
         projections = [self.up_proj] if self.gate_proj is None else [self.up_proj, self.gate_proj]
         outs = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
                                        self.process_group, self.sequence_parallel)  # [seq, b, ffn/tp] each
@@ -60,4 +75,5 @@ class ParallelMLP(nn.Module):
         return self.down_proj(h)  # [seq(/tp), b, hidden]
 
     def extra_repr(self) -> str:
-        return f"mlp={self.mlp}, tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}"
+        return (f"mlp={self.mlp}, tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}"
+                + (", fused_dense=True" if self.fused_dense else ""))
