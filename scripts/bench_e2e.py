@@ -144,8 +144,12 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             row["note"] = "; ".join(filter(None, [row.get("note"), extra.pop("note")]))
         row.update(extra)
         tok_gpu = args.batch * args.seq / ps.tp_size / step_s
-        if impl == "tpflash" and ps.tp_size > 1:  # which pipelining ran (TPFLASH_OVERLAP_PIECES)
-            row["note"] = "; ".join(filter(None, [row.get("note"), f"overlap k={overlap.num_pieces(args.seq // ps.tp_size)}"]))
+        if impl == "tpflash" and ps.tp_size > 1:  # which overlap ran (TPFLASH_OVERLAP_BACKEND / _PIECES)
+            how = ("overlap symm_mem" if overlap.overlap_backend() == "symm_mem"
+                   else f"overlap k={overlap.num_pieces(args.seq // ps.tp_size)}")
+            if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
+                how += f", CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']}"
+            row["note"] = "; ".join(filter(None, [row.get("note"), how]))
         row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu, loss=loss,
                    mfu=tok_gpu * flops_per_token(shape, args) / (args.peak_tflops * 1e12),
                    peak_gib=_peak_gib(ps.device))

@@ -241,3 +241,56 @@ def block_on_off_body(tp, mlp, n_kv_head):
 @pytest.mark.parametrize("mlp, n_kv_head", [("swiglu", 1), ("gelu", 4)])
 def test_block_with_overlap_matches_overlap_off(ranks, tp, mlp, n_kv_head):
     ranks(tp).run(block_on_off_body, tp, mlp, n_kv_head)
+
+
+def symm_mem_body(tp):
+    """The symm_mem backend (CUDA, NCCL) against overlap off: q/k/v-style column and a row layer."""
+    import os
+    os.environ["TPFLASH_OVERLAP_BACKEND"] = "symm_mem"  # in the rank process (the pool outlives a test)
+    try:
+        _symm_mem_checks(tp)
+    finally:
+        del os.environ["TPFLASH_OVERLAP_BACKEND"]
+
+
+def _symm_mem_checks(tp):
+    ps = init_tp(tp)
+    assert ps.device.type == "cuda", "needs one GPU per rank"
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    column = ColumnParallelLinear(IN, OUT, sequence_parallel=True, device=ps.device, dtype=dtype)
+    row = RowParallelLinear(OUT, IN, sequence_parallel=True, device=ps.device, dtype=dtype)
+    layers = torch.nn.Sequential(column, row)
+    x_local = _randn(ps, dtype, SEQ * 8, BATCH, IN)[slice(ps.tp_rank * SEQ * 8 // tp, (ps.tp_rank + 1) * SEQ * 8 // tp)]
+    grad_y = _randn(ps, dtype, SEQ * 8 // tp, BATCH, IN, seed=ps.tp_rank)
+    with overlap.overlap_comm(True):
+        on = _run(layers, x_local, grad_y)
+    layers.zero_grad()
+    with overlap.overlap_comm(False):
+        off = _run(layers, x_local, grad_y)
+    _same(on, off, f"symm_mem column->row tp={tp}")
+    ws = [torch.randn(OUT // tp, IN, device=ps.device, dtype=dtype, requires_grad=True) for _ in range(3)]
+    x = x_local.clone().requires_grad_()
+    ys = overlap.all_gather_linear(x, ws, None, ps.tp_group)
+    sum(y.float().square().sum() for y in ys).backward()
+    x0, ws0 = x.detach().clone().requires_grad_(), [w.detach().clone().requires_grad_() for w in ws]
+    with overlap.overlap_comm(False):
+        from tpflash.layers.linear import column_parallel_linears
+        ys0 = column_parallel_linears(x0, ws0, [None] * 3, ps.tp_group, True)
+    sum(y.float().square().sum() for y in ys0).backward()
+    for a, b, name in [(x.grad, x0.grad, "x grad")] + [(w.grad, w0.grad, f"w{i} grad") for i, (w, w0) in
+                                                       enumerate(zip(ws, ws0))]:
+        assert_close(a, b, f"symm_mem q/k/v {name}")
+
+
+@pytest.mark.gpu
+def test_symm_mem_backend_matches_overlap_off(ranks):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("the symm_mem backend needs 2 GPUs")
+    ranks(2).run(symm_mem_body, 2)
+
+
+def test_unknown_overlap_backend_raises(monkeypatch):
+    monkeypatch.setenv("TPFLASH_OVERLAP_BACKEND", "ring")
+    with pytest.raises(ValueError, match="TPFLASH_OVERLAP_BACKEND='ring' must be one of"):
+        overlap.overlap_backend()

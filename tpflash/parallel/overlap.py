@@ -29,6 +29,8 @@ slower than no overlap at all, see docs/overlap.md, so pieces now go through NCC
 The switch: `overlap_enabled()` is off unless TPFLASH_OVERLAP=1, and `overlap_comm(True)` turns
 it on inside a `with` block; layers built with `overlap=None` ask at every forward. Results are
 the same either way up to the order of floating-point sums. TPFLASH_OVERLAP_PIECES sets k (4).
+TPFLASH_OVERLAP_BACKEND=symm_mem swaps the pieces for PyTorch's symmetric-memory collective
+matmuls on CUDA (tpflash.parallel.symm_overlap); the switch and the entry points stay the same.
 """
 from __future__ import annotations
 
@@ -70,6 +72,26 @@ def overlap_comm(enabled: bool = True):
         yield
     finally:
         _forced.pop()
+
+
+_BACKENDS = ("pieces", "symm_mem")
+
+
+def overlap_backend() -> str:
+    """How overlapped layers communicate (TPFLASH_OVERLAP_BACKEND): "pieces" (default; this module's
+    NCCL/gloo collectives per piece) or "symm_mem" (PyTorch's symmetric-memory collective matmuls,
+    tpflash.parallel.symm_overlap; CUDA only, "pieces" elsewhere)."""
+    backend = os.environ.get("TPFLASH_OVERLAP_BACKEND", "pieces").strip().lower()
+    if backend not in _BACKENDS:
+        raise ValueError(f"TPFLASH_OVERLAP_BACKEND={backend!r} must be one of {_BACKENDS}")
+    return backend
+
+
+def _use_symm_mem(x: torch.Tensor) -> bool:
+    if overlap_backend() != "symm_mem":
+        return False
+    from . import symm_overlap
+    return symm_overlap.available(x)
 
 
 def resolve_overlap(flag: Optional[bool]) -> bool:
@@ -276,6 +298,9 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
         raise ValueError(f"got {len(weights)} weights but {len(biases)} biases")
     if group_size(group) == 1:
         return [torch.nn.functional.linear(x_local, w, b) for w, b in zip(weights, biases)]
+    if _use_symm_mem(x_local):
+        from . import symm_overlap
+        return symm_overlap.all_gather_linear(x_local, weights, biases, group)
     return list(_AllGatherLinear.apply(x_local, group, save_gathered_input, *weights, *biases))
 
 
@@ -290,4 +315,7 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None) -> 
         return torch.nn.functional.linear(h, weight)
     if h.shape[0] % world:
         raise ValueError(f"sequence length {h.shape[0]} (dim 0 of {tuple(h.shape)}) is not divisible by tp={world}")
+    if _use_symm_mem(h):
+        from . import symm_overlap
+        return symm_overlap.linear_reduce_scatter(h, weight, group)
     return _LinearReduceScatter.apply(h, weight, group)
