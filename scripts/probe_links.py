@@ -5,7 +5,6 @@
 Run with NCCL_DEBUG=INFO to see the transport NCCL picked (P2P/CUMEM, P2P/IPC or SHM).
 """
 import argparse
-import os
 import sys
 
 import torch
