@@ -102,21 +102,24 @@ def time_steps(loss_fn, step_context, opt, args, ps):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    times, losses = [], []
+    times, host, losses = [], [], []
     for step in range(args.warmup + args.steps):
         _sync(ps.device)
         t0 = time.perf_counter()
         loss = one_step()
+        t_host = time.perf_counter()  # the host has issued the whole step (no sync on the way)
         _sync(ps.device)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+            host.append(t_host - t0)
             losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
-    extra = {}
+    # host_ms close to step_ms: the step is bound by Python/launch overhead (or syncs), not by the GPU
+    extra = {"host_ms": 1e3 * statistics.median(host)}
     if args.profile and ps.device.type == "cuda":  # after timing: the profiler's overhead stays out of it
         try:
-            extra = profile_exposed_comm(one_step)
+            extra.update(profile_exposed_comm(one_step))
         except Exception as exc:  # a profiler problem must not lose the timed row
-            extra = {"note": f"profile failed: {_describe(exc)[:60]}"}
+            extra["note"] = f"profile failed: {_describe(exc)[:60]}"
     return statistics.median(times), losses[0], extra
 
 
@@ -269,6 +272,8 @@ def table(rows: list) -> str:
             base = tp1.get((r["model"], BASELINE.get(r["impl"], r["impl"]) if r["tp"] > 1 else r["impl"]))
             eff = f"{r['tok_s_gpu'] / base:.2f}" if base else ""
             notes = [f"loss {r['loss']:.3f}", r.get("note")]
+            if "host_ms" in r:
+                notes.append(f"host {r['host_ms']:.0f} ms")
             if "exposed_comm_ms" in r:
                 notes.append(f"comm {r['comm_ms']:.1f} ms/step, exposed {r['exposed_comm_ms']:.1f}")
             cells = [f"{r['tok_s_gpu']:,.0f}", f"{r['mfu']:.3f}", f"{r['step_ms']:.1f}",
