@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from tests.kernels.helpers import DEVICE, assert_rel, float64_twin, needs_interpreter, run_with_grads
 from tpflash.kernels import layer_norm, rms_norm
+from tpflash.kernels.norm_kernels import _fits, _launch_shape, _norm_backward, _norm_bwd_tuned
 
 
 def _inputs(shape, dtype, residual, bias, device="cpu"):
@@ -58,3 +59,50 @@ def test_norm_rejects_a_weight_of_the_wrong_size():
 @pytest.mark.parametrize("n", [1024, 4096, 5120])
 def test_norm_matches_reference_on_gpu(rms, residual, n):
     _check(rms, residual, (4, 512, n), torch.bfloat16, DEVICE)
+
+
+def _backward_inputs(rows, n, rms, has_dres, dtype=torch.float32, device="cpu"):
+    """(h, weight, bias, dy, dres, mean, rstd) as the forward would save them, and the reference grads."""
+    torch.manual_seed(2)
+    h, w, b, dres = _inputs((rows, n), dtype, has_dres, bias=not rms, device=device)
+    dy = torch.randn_like(h)
+    hf = h.float()
+    mean = torch.zeros(rows, device=device) if rms else hf.mean(-1)
+    rstd = torch.rsqrt((hf - mean[:, None]).square().mean(-1) + 1e-5)
+    fn = (lambda x, w, b: rms_norm(x, w, eps=1e-5)) if rms else (lambda x, w, b: layer_norm(x, w, b, eps=1e-5))
+    _, ref = float64_twin(fn, [h, w, b], [dy])
+    if has_dres:
+        ref = (ref[0] + dres.double(),) + tuple(ref[1:])
+    return (h, w, b, dy, dres, mean, rstd), ref
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("has_dres", [False, True], ids=["plain", "dresidual"])
+def test_norm_backward_gives_the_same_bits_for_every_tile_height(rms, has_dres):
+    # 37 rows: groups of 10, 10, 10 and 7 rows, so tiles of 2 or 4 rows end part-empty
+    (h, w, b, dy, dres, mean, rstd), ref = _backward_inputs(37, 300, rms, has_dres)
+    runs = [_norm_backward(h, w, b, dy, dres, mean, rstd, rms, h.dtype, {"ROWS": r, "STAGES": s})
+            for r, s in [(1, 1), (2, 2), (4, 1)]]
+    for run in runs:
+        for name, g, rg in zip(["dx", "dweight", "dbias"], run, ref):
+            assert_rel(g, rg, torch.float32, name, scale=2.0)
+        assert all(torch.equal(g, g0) for g, g0 in zip(run, runs[0]) if g is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n", [1024, 4096, 5120])
+def test_norm_backward_gives_the_same_bits_for_every_autotune_candidate_on_gpu(rms, n):
+    # the autotuner's pick may differ between tp ranks; their replicated gradients must not
+    (h, w, b, dy, dres, mean, rstd), ref = _backward_inputs(2000, n, rms, True, torch.bfloat16, DEVICE)
+    block, _ = _launch_shape(n)
+    tensors = {"H": h, "DY": dy, "DRES": dres}
+    flags = {"BLOCK": block, "HAS_DRES": True}
+    configs = [c.kwargs for c in _norm_bwd_tuned.configs if _fits(c, tensors, **flags)]
+    assert len(configs) > 2
+    runs = [_norm_backward(h, w, b, dy, dres, mean, rstd, rms, h.dtype, config) for config in configs]
+    for name, g, rg in zip(["dx", "dweight", "dbias"], runs[0], ref):
+        assert_rel(g, rg, torch.bfloat16, name, scale=2.0)
+    for config, run in zip(configs, runs):
+        assert all(torch.equal(g, g0) for g, g0 in zip(run, runs[0]) if g is not None), config

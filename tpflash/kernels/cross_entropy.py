@@ -19,7 +19,7 @@ from . import dispatch
 from .reference import cross_entropy_grad_reference, cross_entropy_stats_reference
 
 # (CHUNK, BLOCK, warps) candidates for the statistics on a GPU: a program reads CHUNK columns as
-# CHUNK / BLOCK tiles of BLOCK. (4096, 128256) logits give 4096 x 8-63 programs of 16-64 KB each.
+# CHUNK / BLOCK tiles of BLOCK. (4096, 128256) bf16 logits give 4096 x 8-63 programs of 4-32 KB each.
 STATS_SHAPES = [(2048, 2048, 4), (4096, 4096, 4), (4096, 4096, 8), (8192, 8192, 8), (8192, 4096, 8),
                 (16384, 4096, 8)]
 # under the CPU interpreter: two tiles per chunk, so that tests cover the tile loop and its padding tiles
@@ -44,7 +44,8 @@ def _ce_stats_kernel(X, PART_MAX, PART_SUMEXP, PART_SUM, stride_row, stride_part
         cols = chunk * CHUNK + start + tl.arange(0, BLOCK)
         x = tl.load(X + cols, mask=cols < real_cols, other=float("-inf")).to(tl.float32)  # [BLOCK]
         m_new = tl.maximum(m, tl.max(x, 0))
-        # the last chunk's tiles past real_cols hold only -inf: shift by 0 there (exp gives 0, not NaN)
+        # no finite value yet (a tile past real_cols, or of masked -inf logits): shift by 0, so
+        # that exp gives 0 rather than exp(-inf - -inf) = NaN
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp2((m - shift) * 1.4426950408889634) + tl.sum(tl.exp2((x - shift) * 1.4426950408889634), 0)
         m = m_new
@@ -102,10 +103,11 @@ def _ce_grad_kernel(X, G, LSE, T, SCALE, stride_row, stride_grow, cols_total, re
 
 
 def _stats_partials(logits: torch.Tensor, real_cols: int, with_sum: bool):
-    """(partials fp32 [3, n, width]: per (row, chunk) max, sum exp(x - max), sum x; chunks filled).
+    """(part, chunks): part fp32 [3, n, width] holds, at [:, row, c] for c < chunks, the max,
+    sum exp(x - max) and sum x (0 unless with_sum) of chunk c's real columns.
 
-    width fits the smallest candidate CHUNK; the chunk count of the config the autotuner ran is
-    known only after the launch. Nothing is launched when real_cols == 0 (0 chunks).
+    width fits the smallest candidate CHUNK, since the CHUNK the autotuner picks (hence `chunks`)
+    is known only after the launch. Nothing is launched when real_cols == 0 (0 chunks).
     """
     n = logits.shape[0]
     smallest = INTERPRET_STATS["CHUNK"] if dispatch.interpreting() else min(c for c, _, _ in STATS_SHAPES)
@@ -135,7 +137,7 @@ def cross_entropy_stats(logits: torch.Tensor, target_col: torch.Tensor, real_col
     if n:
         part, chunks = _stats_partials(logits, real_cols, with_sum)
         width = triton.next_power_of_2(max(chunks, 1))
-        rows = max(1, min(64, 4096 // width))  # a [rows, width] tile of partials per program
+        rows = max(1, min(64, 1024 // width))  # a [rows, width] tile of partials per program: 8 per thread
         _ce_combine_kernel[(triton.cdiv(n, rows),)](part[0], part[1], part[2], logits, target_col.contiguous(),
                                                     out[0], out[1], out[2], out[3], n, chunks, part.stride(1),
                                                     logits.stride(0), ROWS=rows, CHUNKS=width,

@@ -2,8 +2,12 @@
 
 One flag (RMS) selects RMSNorm (no mean, no bias); one flag (HAS_RESIDUAL) fuses h = x + residual,
 whose value is written out as the new residual and normalised in fp32. Forward: one program per
-row. Backward: a fixed number of programs walk the rows, keep dweight/dbias partial sums in fp32
-registers, and a final torch sum over programs reduces them (no atomics, deterministic).
+row. Backward: a fixed number of programs (a few per SM) each walk their own rows in tiles of
+ROWS rows (loads of several rows in flight, the next tile prefetched when STAGES > 1), keep
+dweight/dbias partial sums in fp32 registers, and a final torch sum over programs reduces them
+(no atomics, deterministic). The autotuner picks ROWS and STAGES, neither of which changes the
+results (bit for bit; warps and programs, which would, are fixed): tp ranks that normalise the
+same replicated activations keep equal gradients whatever each one's timing-based pick.
 """
 from __future__ import annotations
 
@@ -40,46 +44,95 @@ def _norm_fwd_kernel(X, RES, W, B, Y, RES_OUT, MEAN, RSTD, n, eps, BLOCK: tl.con
     tl.store(Y + row * n + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+# (rows per tile, pipeline stages) candidates of the backward on a GPU. Neither changes a single
+# bit of dx, dweight or dbias (see _norm_bwd_kernel), so the autotuner's choice, which is timing
+# based and may differ between processes, cannot make tp ranks' replicated gradients differ.
+BWD_SHAPES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (1, 3), (2, 3)]
+TILE_PER_THREAD = 32  # most elements of a [ROWS, BLOCK] tile a thread may hold (fp32 registers each)
+SMEM_BUDGET = 192 * 1024  # bytes of pipelined loads an H100 program may stage (228 KB per SM)
+
+
 @triton.jit
 def _norm_bwd_kernel(H, W, DY, DRES, DX, DW, DB, MEAN, RSTD, rows, n, rows_per_program, BLOCK: tl.constexpr,
-                     RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     ROWS: tl.constexpr, STAGES: tl.constexpr, RMS: tl.constexpr, HAS_DRES: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    in_cols = cols < n
+    w = tl.load(W + cols, mask=in_cols, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], tl.float32)
     db = tl.zeros([BLOCK], tl.float32)
+    slot = tl.arange(0, ROWS)
     first = pid * rows_per_program
-    for i in range(0, rows_per_program):
-        row = (first + i).to(tl.int64)
-        if row < rows:
-            h = tl.load(H + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + row)
-            if RMS:
-                xhat = h * rstd
-            else:
-                xhat = tl.where(mask, (h - tl.load(MEAN + row)) * rstd, 0.0)
-            wdy = w * dy
-            dw += dy * xhat
+    last = tl.minimum(first + rows_per_program, rows)
+    # ROWS rows per iteration: their loads are in flight together and their row sums share one
+    # pass of cross-warp reductions; STAGES > 1 also prefetches the next tile during this one
+    for start in tl.range(first, last, ROWS, num_stages=STAGES):
+        r = start + slot  # [ROWS]
+        in_rows = r < last
+        mask = in_rows[:, None] & in_cols[None, :]  # [ROWS, BLOCK]
+        at = r.to(tl.int64)[:, None] * n + cols[None, :]
+        h = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + r, mask=in_rows, other=0.0)[:, None]  # [ROWS, 1]
+        if RMS:
+            xhat = h * rstd
+        else:
+            xhat = tl.where(mask, (h - tl.load(MEAN + r, mask=in_rows, other=0.0)[:, None]) * rstd, 0.0)
+        # add the tile's rows to dw/db one at a time, in row order, each selected exactly (+0.0
+        # elsewhere): the partial sums are the same bits for every ROWS. First, so dy dies sooner.
+        for i in tl.static_range(ROWS):
+            pick = (in_rows & (slot == i))[:, None]
+            dw += tl.sum(tl.where(pick, dy * xhat, 0.0), 0)
             if HAS_BIAS:
-                db += dy
-            c1 = tl.sum(xhat * wdy, 0) / n
-            if RMS:
-                dx = (wdy - xhat * c1) * rstd
-            else:
-                dx = (wdy - xhat * c1 - tl.sum(wdy, 0) / n) * rstd
-            if HAS_DRES:
-                dx += tl.load(DRES + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + row * n + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW + pid * n + cols, dw, mask=mask)
+                db += tl.sum(tl.where(pick, dy, 0.0), 0)
+        wdy = w[None, :] * dy
+        c1 = tl.sum(xhat * wdy, 1)[:, None] / n  # [ROWS, 1]
+        if RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            dx = (wdy - xhat * c1 - tl.sum(wdy, 1)[:, None] / n) * rstd
+        if HAS_DRES:
+            dx += tl.load(DRES + at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW + pid * n + cols, dw, mask=in_cols)
     if HAS_BIAS:
-        tl.store(DB + pid * n + cols, db, mask=mask)
+        tl.store(DB + pid * n + cols, db, mask=in_cols)
+
+
+def _warps(block: int) -> int:
+    """Warps of a program for rows of BLOCK columns: fixed per BLOCK (the row sums' order depends on it)."""
+    return min(max(block // 256, 1), 16)
+
+
+def _fits(config, named_args, **kwargs) -> bool:
+    """Whether a backward candidate has the warps of this BLOCK and fits the register and shared-memory budgets."""
+    block, rows, stages = kwargs["BLOCK"], config.kwargs["ROWS"], config.kwargs["STAGES"]
+    if config.num_warps != _warps(block):
+        return False
+    # below 256 columns a warp's lanes no longer all lie along the row for every ROWS, and the
+    # row sums would change with ROWS
+    if rows > 1 and (rows * block > TILE_PER_THREAD * 32 * config.num_warps or block < 256):
+        return False
+    loaded = [named_args["H"], named_args["DY"]] + ([named_args["DRES"]] if kwargs["HAS_DRES"] else [])
+    return stages == 1 or stages * rows * block * sum(t.element_size() for t in loaded) <= SMEM_BUDGET
+
+
+def _prune(configs, named_args, **kwargs):
+    """The candidates that fit; (1, 1) (one row, no pipelining) always does."""
+    return [c for c in configs if _fits(c, named_args, **kwargs)]
+
+
+# every (ROWS, STAGES) at every warp count; _prune keeps those with this BLOCK's warps
+_norm_bwd_tuned = triton.autotune(
+    configs=[triton.Config({"ROWS": r, "STAGES": s}, num_warps=w) for r, s in BWD_SHAPES for w in (1, 2, 4, 8, 16)],
+    key=["n", "RMS", "HAS_DRES", "HAS_BIAS"], prune_configs_by={"early_config_prune": _prune})(_norm_bwd_kernel)
+INTERPRET_BWD = {"ROWS": 2, "STAGES": 2}  # under the CPU interpreter: tiles of 2 rows, some of them partial
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_programs(device: torch.device) -> int:
-    """Programs of the backward: a few per SM on a GPU, 4 under the interpreter."""
+    """Row groups of the backward (a program each): a few per SM on a GPU, 4 under the interpreter."""
     if interpreting() or device.type != "cuda":
         return 4
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -89,7 +142,32 @@ def _launch_shape(n: int):
     block = triton.next_power_of_2(n)
     if block > 65536:
         raise ValueError(f"normalized size {n} exceeds the Triton norm kernel's limit of 65536")
-    return block, min(max(block // 256, 1), 16)
+    return block, _warps(block)
+
+
+def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, config=None):
+    """(dx [rows, n], dweight, dbias or None) of the norm of h [rows, n] (contiguous, as are dy/dres).
+
+    Program p owns rows [p * per_program, (p + 1) * per_program) and writes their dweight/dbias sums
+    to row p of an fp32 [programs, n] buffer, summed here: no atomics, deterministic. `config`
+    ({"ROWS", "STAGES"}) bypasses the autotuner (tests: every config must give the same bits).
+    """
+    rows, n = h.shape
+    dx = torch.empty(rows, n, device=h.device, dtype=dx_dtype)
+    per_program = max(1, triton.cdiv(rows, _backward_programs(h.device)))
+    programs = max(1, triton.cdiv(rows, per_program))
+    dw = torch.empty(programs, n, device=h.device, dtype=torch.float32)
+    db = torch.empty(programs, n, device=h.device, dtype=torch.float32) if bias is not None else None
+    block, warps = _launch_shape(n)
+    args = (h, weight, dy, dres, dx, dw, db, mean, rstd, rows, n, per_program)
+    flags = dict(BLOCK=block, RMS=rms, HAS_DRES=dres is not None, HAS_BIAS=bias is not None)
+    if config is None and not interpreting():
+        _norm_bwd_tuned[(programs,)](*args, **flags)
+    else:
+        config = config or INTERPRET_BWD
+        _norm_bwd_kernel[(programs,)](*args, **flags, **config, num_warps=1 if interpreting() else warps)
+    dbias = db.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dw.sum(0).to(weight.dtype), dbias
 
 
 class _TritonNorm(torch.autograd.Function):
@@ -115,21 +193,13 @@ class _TritonNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dres):
         h, weight, bias, mean, rstd = ctx.saved_tensors
-        rows, n = h.shape
+        n = h.shape[1]
         dy = dy.reshape(-1, n).contiguous()
         has_dres = ctx.has_residual and dres is not None
         dres = dres.reshape(-1, n).contiguous() if has_dres else None
-        dx = torch.empty(rows, n, device=h.device, dtype=h.dtype if ctx.has_residual else ctx.x_dtype)
-        per_program = max(1, triton.cdiv(rows, _backward_programs(h.device)))
-        programs = max(1, triton.cdiv(rows, per_program))
-        dw = torch.empty(programs, n, device=h.device, dtype=torch.float32)
-        db = torch.empty(programs, n, device=h.device, dtype=torch.float32) if bias is not None else None
-        block, warps = _launch_shape(n)
-        _norm_bwd_kernel[(programs,)](h, weight, dy, dres, dx, dw, db, mean, rstd, rows, n, per_program, BLOCK=block,
-                                      RMS=ctx.rms, HAS_DRES=has_dres, HAS_BIAS=bias is not None, num_warps=warps)
+        dx, dweight, dbias = _norm_backward(h, weight, bias, dy, dres, mean, rstd, ctx.rms,
+                                            h.dtype if ctx.has_residual else ctx.x_dtype)
         dx = dx.reshape(ctx.shape)
-        dweight = dw.sum(0).to(weight.dtype)
-        dbias = db.sum(0).to(bias.dtype) if bias is not None else None
         if ctx.has_residual:
             return dx.to(ctx.x_dtype), dweight, dbias, dx, None, None
         return dx, dweight, dbias, None, None, None
