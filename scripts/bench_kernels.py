@@ -139,6 +139,12 @@ def bench_memory_bound(copy_gbs):
             bwd_bytes = size * (2 if kind in ("cross_entropy", "rotary") else 3)  # (x,) dy -> dx
             row(kind, f"{tuple(inp.shape)} bf16", name, fwd_bytes / t_f / 1e6, (fwd_bytes + bwd_bytes) / t_fb / 1e6,
                 f"GB/s fwd / fwd+bwd (copy {copy_gbs:.0f})")
+    # the statistics kernel alone (no loss assembly around it): how much of the CE forward is the kernel
+    from tpflash.kernels.cross_entropy import cross_entropy_stats
+    with torch.no_grad():
+        t_stats = timed(lambda: cross_entropy_stats(logits, target, logits.shape[1]))
+    row("cross_entropy", f"{tuple(logits.shape)} bf16", "tpflash stats kernel only", logits.numel() * 2 / t_stats / 1e6,
+        float("nan"), f"GB/s fwd (copy {copy_gbs:.0f})")
 
 
 def bench_fused_linear_ce(tokens=16384, hidden=4096, vocab=128256):
