@@ -174,12 +174,14 @@ def main():
     p.add_argument("--head-dims", default="128,64", help="attention head dims, comma list")
     p.add_argument("--seqs", default="1024,4096,16384", help="attention sequence lengths, comma list")
     p.add_argument("--attention-only", action="store_true", help="skip the memory-bound and linear+CE parts")
+    p.add_argument("--no-attention", action="store_true", help="skip the attention part")
     args = p.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     head_dims = [int(h) for h in args.head_dims.split(",")]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     print("| kernel | config | impl | value A | value B | unit |\n|---|---|---|---|---|---|", flush=True)
-    bench_attention([4096] if args.quick else seqs, [128] if args.quick else head_dims)
+    if not args.no_attention:
+        bench_attention([4096] if args.quick else seqs, [128] if args.quick else head_dims)
     if args.attention_only:
         return 0
     copy_gbs = bench_copy()
