@@ -5,9 +5,10 @@ whose value is written out as the new residual and normalised in fp32. Forward: 
 row. Backward: a fixed number of programs (a few per SM) each walk their own rows in tiles of
 ROWS rows (loads of several rows in flight, the next tile prefetched when STAGES > 1), keep
 dweight/dbias partial sums in fp32 registers, and a final torch sum over programs reduces them
-(no atomics, deterministic). The autotuner picks ROWS and STAGES, neither of which changes the
-results (bit for bit; warps and programs, which would, are fixed): tp ranks that normalise the
-same replicated activations keep equal gradients whatever each one's timing-based pick.
+(no atomics, deterministic). ROWS and STAGES are chosen by a fixed rule from the shapes, not by
+timing: on the H100, different (ROWS, STAGES) gave gradients that differ in the last bits, and tp
+ranks that normalise the same replicated activations must compute the same bits (an autotuner's
+timing-based pick could differ between them).
 """
 from __future__ import annotations
 
@@ -44,10 +45,9 @@ def _norm_fwd_kernel(X, RES, W, B, Y, RES_OUT, MEAN, RSTD, n, eps, BLOCK: tl.con
     tl.store(Y + row * n + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
-# (rows per tile, pipeline stages) candidates of the backward on a GPU. Neither changes a single
-# bit of dx, dweight or dbias (see _norm_bwd_kernel), so the autotuner's choice, which is timing
-# based and may differ between processes, cannot make tp ranks' replicated gradients differ.
-BWD_SHAPES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (1, 3), (2, 3)]
+# (rows per tile, pipeline stages) of the backward on a GPU, in order of preference: the first
+# that fits runs. (2, 3) is what an autotuner over these picked on an H100 at n = 4096.
+BWD_SHAPES = [(2, 3), (2, 2), (1, 2), (1, 1)]
 TILE_PER_THREAD = 32  # most elements of a [ROWS, BLOCK] tile a thread may hold (fp32 registers each)
 SMEM_BUDGET = 192 * 1024  # bytes of pipelined loads an H100 program may stage (228 KB per SM)
 
@@ -118,15 +118,15 @@ def _fits(config, named_args, **kwargs) -> bool:
     return stages == 1 or stages * rows * block * sum(t.element_size() for t in loaded) <= SMEM_BUDGET
 
 
-def _prune(configs, named_args, **kwargs):
-    """The candidates that fit; (1, 1) (one row, no pipelining) always does."""
-    return [c for c in configs if _fits(c, named_args, **kwargs)]
+def _bwd_config(block: int, tensors: dict, has_dres: bool) -> dict:
+    """{"ROWS", "STAGES"}: the first of BWD_SHAPES that fits this BLOCK and these dtypes ((1, 1) always does)."""
+    for rows, stages in BWD_SHAPES:
+        config = triton.Config({"ROWS": rows, "STAGES": stages}, num_warps=_warps(block))
+        if _fits(config, tensors, BLOCK=block, HAS_DRES=has_dres):
+            return config.kwargs
+    return {"ROWS": 1, "STAGES": 1}
 
 
-# every (ROWS, STAGES) at every warp count; _prune keeps those with this BLOCK's warps
-_norm_bwd_tuned = triton.autotune(
-    configs=[triton.Config({"ROWS": r, "STAGES": s}, num_warps=w) for r, s in BWD_SHAPES for w in (1, 2, 4, 8, 16)],
-    key=["n", "RMS", "HAS_DRES", "HAS_BIAS"], prune_configs_by={"early_config_prune": _prune})(_norm_bwd_kernel)
 INTERPRET_BWD = {"ROWS": 2, "STAGES": 2}  # under the CPU interpreter: tiles of 2 rows, some of them partial
 
 
@@ -150,7 +150,7 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, c
 
     Program p owns rows [p * per_program, (p + 1) * per_program) and writes their dweight/dbias sums
     to row p of an fp32 [programs, n] buffer, summed here: no atomics, deterministic. `config`
-    ({"ROWS", "STAGES"}) bypasses the autotuner (tests: every config must give the same bits).
+    ({"ROWS", "STAGES"}) overrides the rule of _bwd_config (tests).
     """
     rows, n = h.shape
     dx = torch.empty(rows, n, device=h.device, dtype=dx_dtype)
@@ -161,11 +161,10 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, c
     block, warps = _launch_shape(n)
     args = (h, weight, dy, dres, dx, dw, db, mean, rstd, rows, n, per_program)
     flags = dict(BLOCK=block, RMS=rms, HAS_DRES=dres is not None, HAS_BIAS=bias is not None)
-    if config is None and not interpreting():
-        _norm_bwd_tuned[(programs,)](*args, **flags)
-    else:
-        config = config or INTERPRET_BWD
-        _norm_bwd_kernel[(programs,)](*args, **flags, **config, num_warps=1 if interpreting() else warps)
+    if config is None:
+        config = INTERPRET_BWD if interpreting() else _bwd_config(block, {"H": h, "DY": dy, "DRES": dres},
+                                                                   dres is not None)
+    _norm_bwd_kernel[(programs,)](*args, **flags, **config, num_warps=1 if interpreting() else warps)
     dbias = db.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dw.sum(0).to(weight.dtype), dbias
 
