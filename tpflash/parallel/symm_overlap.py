@@ -23,7 +23,6 @@ import warnings
 from typing import List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .overlap import _cast, _compute_dtype, _no_autocast, _rows
 
@@ -121,8 +120,6 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
     """reduce_scatter_along_seq(F.linear(h, weight)) through fused_matmul_reduce_scatter.
-    h [s, b, in/tp] on CUDA, weight [out, in/tp] -> [s/tp, b, out]."""
-    if h.shape[0] % dist.get_world_size(group):
-        raise ValueError(f"sequence length {h.shape[0]} (dim 0 of {tuple(h.shape)}) is not divisible by "
-                         f"tp={dist.get_world_size(group)}")
+    h [s, b, in/tp] on CUDA with s divisible by tp (tpflash.parallel.overlap.linear_reduce_scatter,
+    the entry point, checks it), weight [out, in/tp] -> [s/tp, b, out]."""
     return _SymmLinearReduceScatter.apply(h, weight, group)
