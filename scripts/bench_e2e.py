@@ -117,10 +117,37 @@ def time_steps(loss_fn, step_context, opt, args, ps):
     extra = {"host_ms": 1e3 * statistics.median(host)}
     if args.profile and ps.device.type == "cuda":  # after timing: the profiler's overhead stays out of it
         try:
-            extra.update(profile_exposed_comm(one_step))
+            extra.update(profile_exposed_comm(one_step, trace=_trace_path(args, ps)))
         except Exception as exc:  # a profiler problem must not lose the timed row
             extra["note"] = f"profile failed: {_describe(exc)[:60]}"
+    if args.cprofile:
+        python_profile(one_step, ps, args.cprofile)
     return statistics.median(times), losses[0], extra
+
+
+def _trace_path(args, ps) -> str:
+    if not args.trace_dir:
+        return ""
+    os.makedirs(args.trace_dir, exist_ok=True)
+    return os.path.join(args.trace_dir, f"trace_tp{ps.tp_size}_rank{ps.rank}.json")
+
+
+def python_profile(run_step, ps, top: int) -> None:
+    """One step under cProfile (every rank runs the step; rank 0 prints), synchronised at the end so
+    that host time spent waiting on the device shows up where it happens."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile() if ps.rank == 0 else None
+    _sync(ps.device)
+    if prof is not None:
+        prof.enable()
+    run_step()
+    _sync(ps.device)
+    if prof is not None:
+        prof.disable()
+        for key in ("tottime", "cumulative"):
+            print(f"[cprofile] one step, by {key}:", flush=True)
+            pstats.Stats(prof).sort_stats(key).print_stats(top)
 
 
 def _sync(device):
@@ -301,6 +328,10 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny model, a few steps: a CPU/gloo smoke test")
     p.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (CUDA) and report the "
                                                           "communication time and the part no kernel hides")
+    p.add_argument("--trace-dir", default="", help="with --profile: write each rank's chrome trace here")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="after timing, run one step under cProfile on rank 0 and print its N costliest "
+                        "Python functions (host time: where a host-bound step goes)")
     p.add_argument("--table-only", action="store_true", help="print the table of --results and exit (no run)")
     args = p.parse_args(argv)
     if args.tiny:

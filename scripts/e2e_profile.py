@@ -96,21 +96,51 @@ def _cuda_kernels(prof) -> List[Tuple[str, float, float]]:
     return out
 
 
-def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2) -> dict:
-    """Profile `steps` calls of run_step on CUDA; {"comm_ms", "exposed_comm_ms"} per step.
+# CUDA runtime calls that make the host wait for the device: a step that makes them is not host-free.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaFree",
+              "cudaStreamWaitValue", "cudaMemcpy ")
 
-    Also prints the GPU time per kernel category and the top kernels, where a step's time goes."""
+
+def host_breakdown(prof, steps: int, top: int = 15) -> dict:
+    """Host-side view of profiled steps: CPU ops by self time (ms per step), and how often the host
+    called a CUDA runtime function that blocks it (SYNC_CALLS)."""
+    per_op = []
+    syncs = {}
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            continue
+        self_ms = evt.self_cpu_time_total / 1e3 / steps
+        per_op.append((self_ms, evt.count // steps, evt.key))
+        if any(evt.key.startswith(call.strip()) for call in SYNC_CALLS):
+            syncs[evt.key] = (evt.count // steps, self_ms)
+    per_op.sort(reverse=True)
+    return {"top_host_ops": per_op[:top], "sync_calls": syncs}
+
+
+def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2, trace: str = "") -> dict:
+    """Profile `steps` calls of run_step on CUDA; {"comm_ms", "exposed_comm_ms", "gpu_active_ms"} per step.
+
+    Also prints the GPU time per kernel category, the top kernels, the kernels launched per step,
+    and the host's top ops by self time with any blocking CUDA calls: where a step's time goes."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             run_step()
         torch.cuda.synchronize()
+    if trace:  # chrome trace for scripts/trace_lag.py (or chrome://tracing / perfetto)
+        prof.export_chrome_trace(trace)
     kernels = _cuda_kernels(prof)
     comm, exposed = comm_and_exposed(kernels)
+    active = length(union((s, e) for _, s, e in kernels)) / 1e3 / steps  # ms the GPU ran anything
     breakdown = kernel_breakdown([(n, s / 1e3, e / 1e3) for n, s, e in kernels], steps)  # ms per step
     busy = sum(breakdown["by_category"].values())
-    print(f"[profile] GPU busy {busy:.1f} ms/step by category: "
-          + ", ".join(f"{c} {t:.1f}" for c, t in breakdown["by_category"].items()), flush=True)
+    print(f"[profile] GPU busy {busy:.1f} ms/step (active {active:.1f}, {len(kernels) // steps} kernels) "
+          "by category: " + ", ".join(f"{c} {t:.1f}" for c, t in breakdown["by_category"].items()), flush=True)
     for name, t in breakdown["top_kernels"]:
         print(f"[profile]   {t:7.2f} ms  {name[:110]}", flush=True)
-    return {"comm_ms": comm / 1e3 / steps, "exposed_comm_ms": exposed / 1e3 / steps}
+    host = host_breakdown(prof, steps)
+    print("[profile] host, self time per step (ms, calls):", flush=True)
+    for ms, count, name in host["top_host_ops"]:
+        print(f"[profile]   {ms:7.2f} ms {count:6d}x  {name[:100]}", flush=True)
+    print(f"[profile] blocking CUDA calls per step: {host['sync_calls'] or 'none'}", flush=True)
+    return {"comm_ms": comm / 1e3 / steps, "exposed_comm_ms": exposed / 1e3 / steps, "gpu_active_ms": active}

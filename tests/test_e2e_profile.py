@@ -29,3 +29,20 @@ def test_kernel_breakdown_sums_time_per_category_per_step():
     assert out["by_category"] == {"gemm": 6.0, "comm": 2.0, "norm": 0.5, "other": 0.5}
     assert out["top_kernels"][0] == ("sm90_xmma_gemm_bf16", 6.0)
     assert category("cudnn_generated_fort_native_sdpa_sm90") == "attention"
+
+
+def test_trace_lag_finds_idle_gaps_and_the_launching_op():
+    from trace_lag import summarise
+    events = [  # two kernels; the second launched late by "aten::mm", leaving the GPU idle 90 us
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 20},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 5, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 10, "dur": 10, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 100, "dur": 20},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 105, "dur": 5, "args": {"correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 110, "dur": 10, "args": {"correlation": 2}},
+    ]
+    s = summarise(events, steps=1)
+    assert s["kernels_per_step"] == 2
+    assert abs(s["gpu_idle_ms"] - 0.090) < 1e-9
+    assert s["idle_by_host_op_ms"] == [("aten::mm", 0.090, 1)]
+    assert s["short_lag_fraction"] == 1.0
