@@ -123,3 +123,67 @@ def test_collectives_are_the_identity_without_a_group():
     for f in (comm.copy_to_tp_region, comm.reduce_from_tp_region, comm.all_gather_along_seq,
               comm.reduce_scatter_along_seq):
         assert f(x, None) is x
+
+
+def copy_engine_body(tp):
+    """TPFLASH_COMM_BACKEND=copy_engine (peer memory) gives NCCL's results: all-gather bit for bit,
+    reduce-scatter too at tp=2 (one bf16 add either way), along dim 0 and 1, at sizes that are no
+    multiple of the buffer alignment, and in a long alternating sequence (the double buffer)."""
+    import os
+    from tpflash.parallel import peer_collectives
+    ps = init_tp(tp)
+    assert ps.device.type == "cuda", "needs one GPU per rank"
+    torch.manual_seed(ps.tp_rank)
+    cases = [(tp * 1024, 4, 2048), (tp * 3, 5, 7), (tp * 17, 3)]
+    for step in range(6):
+        for shape in cases:
+            full = torch.randn(*shape, device=ps.device, dtype=torch.bfloat16)
+            shard = full[: shape[0] // tp] + step
+            os.environ["TPFLASH_COMM_BACKEND"] = "copy_engine"
+            try:
+                assert peer_collectives.available(shard, ps.tp_group)
+                got = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
+                       comm.all_gather(full, 1, ps.tp_group)]
+            finally:
+                del os.environ["TPFLASH_COMM_BACKEND"]
+            want = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
+                    comm.all_gather(full, 1, ps.tp_group)]
+            assert torch.equal(got[0], want[0]), f"all-gather {shape}"
+            assert torch.equal(got[2], want[2]), f"all-gather dim 1 {shape}"
+            if tp == 2:
+                assert torch.equal(got[1], want[1]), f"reduce-scatter {shape}"
+            else:
+                assert_close(got[1], want[1], f"reduce-scatter {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+def test_copy_engine_collectives_equal_nccl(ranks, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ranks(tp).run(copy_engine_body, tp)
+
+
+def test_unknown_comm_backend_raises(monkeypatch):
+    from tpflash.parallel import peer_collectives
+    monkeypatch.setenv("TPFLASH_COMM_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="TPFLASH_COMM_BACKEND='mpi' must be one of"):
+        peer_collectives.comm_backend()
+
+
+def copy_engine_on_cpu_body(tp):
+    """On CPU (gloo) the copy_engine setting is not available and the group's collectives serve."""
+    import os
+    os.environ["TPFLASH_COMM_BACKEND"] = "copy_engine"
+    try:
+        gather_along_seq_body(tp, 0)
+        reduce_scatter_along_seq_body(tp, 0)
+    finally:
+        del os.environ["TPFLASH_COMM_BACKEND"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_copy_engine_backend_falls_back_to_the_group_on_cpu(ranks, tp):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU fallback; on GPUs test_copy_engine_collectives_equal_nccl covers the backend")
+    ranks(tp).run(copy_engine_on_cpu_body, tp)

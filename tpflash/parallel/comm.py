@@ -12,7 +12,9 @@ Forward / backward pairs (the duals of each other):
     reduce_scatter_along_seq reduce-scatter  / all-gather       (sequence parallelism)
 
 `*_async` functions are the raw (non-autograd) primitives returning a `PendingCollective`
-handle; the overlap code builds its own autograd functions from them.
+handle; the overlap code builds its own autograd functions from them. With
+TPFLASH_COMM_BACKEND=copy_engine, all-gathers and reduce-scatters of CUDA tensors go through peer
+memory instead (tpflash.parallel.peer_collectives; issued in stream order, so already "done").
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import peer_collectives
 from .state import group_rank, group_size
 
 ProcessGroup = Optional[dist.ProcessGroup]
@@ -49,6 +52,10 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> None:
                          f"is not divisible by the group size {world}")
 
 
+def _through_peers(x: torch.Tensor, group: ProcessGroup) -> bool:
+    return peer_collectives.comm_backend() == "copy_engine" and peer_collectives.available(x, group)
+
+
 def all_reduce_async(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:
     """Sum `x` over the group into a new tensor (x itself is left alone)."""
     out = x.clone(memory_format=torch.contiguous_format)
@@ -63,8 +70,11 @@ def all_gather_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> PendingC
         return PendingCollective(None, x)
     dim = dim % x.dim()
     moved = x.movedim(dim, 0).contiguous()  # dim 0 gathers need no copy afterwards
-    out = moved.new_empty((world * moved.shape[0],) + moved.shape[1:])
-    work = all_gather_single(out, moved, group=group, async_op=True)
+    if _through_peers(moved, group):
+        work, out = None, peer_collectives.all_gather(moved, group)
+    else:
+        out = moved.new_empty((world * moved.shape[0],) + moved.shape[1:])
+        work = all_gather_single(out, moved, group=group, async_op=True)
     finish = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
     return PendingCollective(work, out, finish)
 
@@ -77,8 +87,11 @@ def reduce_scatter_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> Pend
     dim = dim % x.dim()
     _check_divisible(x, dim, world, "reduce_scatter")
     moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // world,) + moved.shape[1:])
-    work = reduce_scatter_single(out, moved, group=group, async_op=True)
+    if _through_peers(moved, group):
+        work, out = None, peer_collectives.reduce_scatter(moved, group)
+    else:
+        out = moved.new_empty((moved.shape[0] // world,) + moved.shape[1:])
+        work = reduce_scatter_single(out, moved, group=group, async_op=True)
     finish = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
     return PendingCollective(work, out, finish)
 

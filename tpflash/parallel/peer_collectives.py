@@ -1,0 +1,128 @@
+"""All-gather and reduce-scatter along dim 0 by copying through peers' memory (CUDA, NVLink).
+
+NCCL's kernels move data with SMs, and on 2 H200s they reach about half the link bandwidth at the
+16-20 MiB activations of sequence parallelism (docs/performance.md). Here every rank of the group
+maps its peers' symmetric-memory buffers (torch.distributed._symmetric_memory) and the transfers
+are plain `copy_`s between device pointers, which the copy engines carry without SMs:
+
+  all_gather(x)       write x into my buffer; barrier; copy every peer's buffer into the output
+  reduce_scatter(x)   write x's chunk r into peer r's buffer (at my slot); barrier; sum my buffer's
+                      world slots (one small SM kernel; fp32 accumulation for world > 2)
+
+Synchronisation: each call uses one of two buffers in turn and one device-side barrier (a tiny
+kernel on the current stream). A buffer is written again two calls later, when every peer has
+passed the barrier of the call in between and so finished reading it, provided all calls on a
+group are issued on one stream in the same order on every rank, which holds for the layers'
+collectives. Process group: the one given (CUDA tensors, world > 1).
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+_ENV = "TPFLASH_COMM_BACKEND"
+BACKENDS = ("nccl", "copy_engine")
+_ALIGN = 512  # bytes; keeps every slot aligned for vectorised copies
+
+
+def comm_backend() -> str:
+    """How the tp collectives move data (TPFLASH_COMM_BACKEND): "nccl" (default: the process group's
+    own collectives, any backend) or "copy_engine" (this module, for CUDA groups)."""
+    backend = os.environ.get(_ENV, "nccl").strip().lower()
+    if backend not in BACKENDS:
+        raise ValueError(f"{_ENV}={backend!r} must be one of {BACKENDS}")
+    return backend
+
+
+def available(x: torch.Tensor, group) -> bool:
+    """Whether this module can serve a collective on x over group: CUDA tensor, world > 1, and a torch
+    with symmetric memory."""
+    if group is None or not x.is_cuda or dist.get_world_size(group) == 1:
+        return False
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401  (import check only)
+    except ImportError:
+        return False
+    return True
+
+
+class _Workspace:
+    """Two equal symmetric buffers of one group on one device, and whose turn it is."""
+
+    def __init__(self, group, device: torch.device, slot_bytes: int):
+        from torch.distributed import _symmetric_memory as symm
+        from .symm_overlap import _group_name
+        self.slot_bytes = slot_bytes
+        self.tensor = symm.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
+        self.handle = symm.rendezvous(self.tensor, _group_name(group))  # collective: every rank at once
+        self.turn = 0
+
+    def next_slot(self) -> int:
+        """Byte offset of the buffer this call uses."""
+        self.turn ^= 1
+        return self.turn * self.slot_bytes
+
+    def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """rank's buffer, from byte offset_bytes, as a [shape] tensor of dtype (a peer's: mapped memory)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // itemsize)
+
+
+_workspaces: Dict[tuple, _Workspace] = {}
+_retired: List[_Workspace] = []  # outgrown buffers stay mapped: work already queued may still use them
+
+
+def _workspace(group, device: torch.device, nbytes: int) -> _Workspace:
+    key = (id(group), device)
+    ws = _workspaces.get(key)
+    if ws is None or ws.slot_bytes < nbytes:
+        # every rank asks for the same sizes in the same order, so all grow here together
+        if ws is not None:
+            _retired.append(ws)
+        size = max(nbytes, 2 * (ws.slot_bytes if ws else 0))
+        ws = _workspaces[key] = _Workspace(group, device, -(-size // _ALIGN) * _ALIGN)
+    return ws
+
+
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x [n, ...] concatenated along dim 0 in rank order: [world*n, ...]."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    x = x.contiguous()
+    ws = _workspace(group, x.device, x.numel() * x.element_size())
+    slot = ws.next_slot()
+    ws.view(rank, slot, x.shape, x.dtype).copy_(x)
+    ws.handle.barrier(channel=0)
+    out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+    parts = out.chunk(world)
+    for step in range(world):  # start with the next rank so that peers do not all read one buffer
+        r = (rank + step) % world
+        parts[r].copy_(x if r == rank else ws.view(r, slot, x.shape, x.dtype))
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ranks of x [world*m, ...], keeping this rank's rows [m, ...] (rank order)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[0] % world:
+        raise ValueError(f"reduce_scatter: size {x.shape[0]} of dim 0 (shape {tuple(x.shape)}) "
+                         f"is not divisible by the group size {world}")
+    x = x.contiguous()
+    chunks = x.chunk(world)  # chunk r: my partial sum of rank r's rows
+    chunk_bytes = chunks[0].numel() * x.element_size()
+    stride = -(-chunk_bytes // _ALIGN) * _ALIGN
+    ws = _workspace(group, x.device, world * stride)
+    slot = ws.next_slot()
+    for step in range(1, world):  # push into peer r's buffer, at my position
+        r = (rank + step) % world
+        ws.view(r, slot + rank * stride, chunks[r].shape, x.dtype).copy_(chunks[r])
+    ws.handle.barrier(channel=0)
+    received = [ws.view(rank, slot + r * stride, chunks[r].shape, x.dtype) for r in range(world) if r != rank]
+    if world == 2:
+        return torch.add(chunks[rank], received[0])
+    total = chunks[rank].float()
+    for part in received:
+        total += part
+    return total.to(x.dtype)
