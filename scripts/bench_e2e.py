@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tpflash  # noqa: E402
 from tpflash.models import GPT, GPTConfig  # noqa: E402
-from tpflash.parallel import overlap  # noqa: E402
+from tpflash.parallel import overlap, peer_collectives  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_peers import PlainGPT, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
@@ -180,6 +180,8 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
                 how += f", CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']}"
             row["note"] = "; ".join(filter(None, [row.get("note"), how]))
+        if impl.startswith("tpflash") and ps.tp_size > 1 and peer_collectives.comm_backend() != "nccl":
+            row["note"] = "; ".join(filter(None, [row.get("note"), f"comm {peer_collectives.comm_backend()}"]))
         row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu, loss=loss,
                    mfu=tok_gpu * flops_per_token(shape, args) / (args.peak_tflops * 1e12),
                    peak_gib=_peak_gib(ps.device))
