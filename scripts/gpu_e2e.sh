@@ -1,30 +1,31 @@
 #!/usr/bin/env bash
-# The end-to-end benchmark on the GPU machine (2 x H200, `nvidia-h200-x2`): tp=1 on one GPU, then tp=2
-# on two, both appending to $OUT/bench_e2e.jsonl; the last step prints one table of every row
-# (scripts/bench_e2e.py documents the columns). Each phase has a time limit so that a slow compile in
-# one cannot starve the other; rows finished before a limit are kept.
-#   usage: OUT=/some/dir bash scripts/gpu_e2e.sh     (STEPS, WARMUP, T1, T2, T3 override the defaults)
+# The end-to-end table on 2 GPUs (nvidia-h200-x2), in calls that fit the device tool's 10 minutes:
+#   OUT=<dir> bash scripts/gpu_e2e.sh check   gpu-marked tests (NCCL layers, kernels, comm, autocast linear),
+#                                             then tpflash at tp=2 with --profile (where the step goes)
+#   OUT=<dir> bash scripts/gpu_e2e.sh table   tpflash and its peers side by side, gpt-1.3b and gpt-2.7b:
+#                                             tp=1 tpflash/plain/plain-compile, tp=2 tpflash-nooverlap/dtensor-compile
+# Rows go to $OUT/bench_e2e.jsonl; `python3 scripts/bench_e2e.py --table-only --results FILE` prints them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-bench_out}
-mkdir -p "$OUT"
-RESULTS=$OUT/bench_e2e.jsonl
-COMMON="--steps ${STEPS:-8} --warmup ${WARMUP:-3} --results $RESULTS"
+export PYTHONUNBUFFERED=1 TPFLASH_TEST_TIMEOUT=60
+OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 RUN="python3 -m torch.distributed.run --standalone"
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)';
-  nvidia-smi topo -m; git log -1 --format='commit %H'; } > "$OUT/device.txt" 2>&1
-
-# tp=1, one GPU: the single-GPU baselines (and tpflash's tp=1 for its scaling efficiency)
-timeout "${T1:-200}" $RUN --nproc_per_node=1 scripts/bench_e2e.py --tp 1 $COMMON \
-  --models gpt-2.7b,gpt-1.3b --impls tpflash,plain,plain-compile 2>&1 | tee "$OUT/tp1.log"
-# tp=2, two GPUs: tpflash with overlap on/off, PyTorch's DTensor TP eager/compiled, the collectives alone
-# (--profile: 2 more steps under the profiler give each row its communication and exposed-communication time)
-timeout "${T2:-200}" $RUN --nproc_per_node=2 scripts/bench_e2e.py --tp 2 $COMMON \
-  --models gpt-2.7b,gpt-1.3b --impls tpflash,tpflash-nooverlap,dtensor-compile,dtensor --profile 2>&1 | tee "$OUT/tp2.log"
-# overlap with 2 pieces per rank instead of 4 (the row's note says k), if time is left
-TPFLASH_OVERLAP_PIECES=2 timeout "${T3:-60}" $RUN --nproc_per_node=2 scripts/bench_e2e.py --tp 2 $COMMON \
-  --models gpt-2.7b --impls tpflash --no-comm-probe 2>&1 | tee "$OUT/tp2_k2.log"
-python3 scripts/bench_e2e.py --table-only --results "$RESULTS" --table "$OUT/table.md"
+E2E="scripts/bench_e2e.py --steps ${STEPS:-5} --warmup 2 --no-comm-probe --results $OUT/bench_e2e.jsonl"
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv; git log -1 --format='commit %H'; } > "$OUT/device.txt" 2>&1
+case "${1:-check}" in
+  check)
+    timeout 150 python3 -m pytest tests/distributed/test_linear.py tests/distributed/test_mlp.py \
+      tests/distributed/test_comm.py tests/distributed/test_overlap.py tests/distributed/test_gpt.py \
+      -q -p no:cacheprovider -rfE 2>&1 | tail -8
+    timeout 200 python3 -m pytest -m gpu tests/kernels tests/test_fused_linear_cross_entropy.py tests/test_autocast_linear.py \
+      -k "not fused_dense" -n 4 -q -p no:cacheprovider -rfE 2>&1 | tail -8
+    timeout 150 $RUN --nproc_per_node=2 $E2E --tp 2 --models gpt-1.3b,gpt-2.7b --impls tpflash-nooverlap --profile \
+      2>&1 | grep "profile\]\|bench_e2e\]" | grep -v "^\[profile\]   .*ms .*x  " ;;
+  table)
+    timeout 280 $RUN --nproc_per_node=1 $E2E --tp 1 --models gpt-1.3b,gpt-2.7b --impls tpflash,plain,plain-compile \
+      2>&1 | grep "bench_e2e\]\|Error"
+    timeout 280 $RUN --nproc_per_node=2 $E2E --tp 2 --models gpt-1.3b,gpt-2.7b --impls tpflash-nooverlap,dtensor-compile \
+      2>&1 | grep "bench_e2e\]\|Error"
+    python3 scripts/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md" ;;
+esac

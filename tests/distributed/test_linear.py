@@ -98,6 +98,41 @@ def mlp_body(tp, sequence_parallel):
     for key, value in ref.state_dict().items():
         assert torch.equal(full[key], value), f"full_state_dict[{key}] differs from the reference"
 
+def autocast_gather_body(tp):
+    """Under autocast an fp32 sequence-parallel input is cast before the all-gather (half the bytes),
+    and the output and gradients still equal nn.Linear's under the same autocast."""
+    from tpflash.parallel import comm
+    ps = init_tp(tp)
+    torch.manual_seed(0)
+    ref = nn.Linear(IN, OUT, device=ps.device)
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(IN, OUT, sequence_parallel=True, device=ps.device)
+    x = _inputs(ps, torch.float32, SEQ, BATCH, IN)
+    rows = slice(ps.tp_rank * SEQ // tp, (ps.tp_rank + 1) * SEQ // tp)
+    cols = slice(ps.tp_rank * OUT // tp, (ps.tp_rank + 1) * OUT // tp)
+    x_local, x_ref = x[rows].clone().requires_grad_(), x.clone().requires_grad_()
+    gathered = []
+    real = comm.all_gather_along_seq
+    comm.all_gather_along_seq = lambda t, *a, **k: gathered.append(t.dtype) or real(t, *a, **k)
+    try:
+        with torch.autocast(ps.device.type, dtype=torch.bfloat16):
+            y, y_ref = layer(x_local), ref(x_ref)
+    finally:
+        comm.all_gather_along_seq = real
+    assert gathered == [torch.bfloat16], f"all-gather got {gathered}, expected the autocast dtype"
+    assert torch.equal(y, y_ref[..., cols]), "output differs from nn.Linear under autocast"
+    grad_y = _inputs(ps, torch.bfloat16, SEQ, BATCH, OUT)
+    y.backward(grad_y[..., cols])
+    y_ref.backward(grad_y)
+    assert x_local.grad.dtype == torch.float32
+    assert_close(x_local.grad, x_ref.grad[rows], "input grad", tol=2e-2)
+    assert_close(layer.weight.grad, ref.weight.grad[cols], "weight grad", tol=2e-2)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_input_is_gathered_in_the_autocast_dtype(ranks, tp):
+    ranks(tp).run(autocast_gather_body, tp)
+
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("gather_output", [False, True])

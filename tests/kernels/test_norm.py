@@ -100,3 +100,36 @@ def test_norm_backward_repeats_its_bits_on_gpu(rms, n):
     for name, g, rg in zip(["dx", "dweight", "dbias"], runs[0], ref):
         assert_rel(g, rg, torch.bfloat16, name, scale=2.0)
     assert all(torch.equal(g, g0) for g, g0 in zip(runs[1], runs[0]) if g is not None)
+
+
+def _out_dtype_check(rms, device):
+    """out_dtype=bf16 on an fp32 input (the blocks' autocast_output): y is the fp32 result rounded
+    once, the gradients (dy in bf16) equal those of the norm followed by a cast."""
+    x, w, b, r = _inputs((6, 5, 48), torch.float32, True, bias=not rms, device=device)
+    fn = rms_norm if rms else (lambda x, w, residual=None, out_dtype=None: layer_norm(x, w, b, residual=residual,
+                                                                                       out_dtype=out_dtype))
+    xs = [t.clone().requires_grad_() for t in (x, r)]
+    ys = [t.clone().requires_grad_() for t in (x, r)]
+    y, res = fn(xs[0], w, residual=xs[1], out_dtype=torch.bfloat16)
+    y_ref, res_ref = fn(ys[0], w, residual=ys[1])
+    assert y.dtype == torch.bfloat16 and res.dtype == torch.float32
+    assert_rel(y, y_ref.to(torch.bfloat16), torch.bfloat16, "y")
+    torch.manual_seed(3)
+    dy = torch.randn(y.shape, device=device).to(torch.bfloat16)
+    (y.float() * dy.float()).sum().backward()
+    (y_ref.to(torch.bfloat16).float() * dy.float()).sum().backward()
+    for name, g, g_ref in [("dx", xs[0].grad, ys[0].grad), ("dresidual", xs[1].grad, ys[1].grad)]:
+        assert g.dtype == torch.float32, name
+        assert_rel(g, g_ref, torch.float32, name)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_writes_y_in_out_dtype(rms):
+    _out_dtype_check(rms, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_writes_y_in_out_dtype_on_gpu(rms):
+    _out_dtype_check(rms, DEVICE)

@@ -171,12 +171,12 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, c
 
 class _TritonNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, rms):
+    def forward(ctx, x, weight, bias, residual, eps, rms, out_dtype):
         n = x.shape[-1]
         x2 = x.reshape(-1, n).contiguous()
         rows = x2.shape[0]
         res2 = residual.reshape(-1, n).contiguous() if residual is not None else None
-        y = torch.empty_like(x2)
+        y = torch.empty_like(x2, dtype=out_dtype or x.dtype)
         res_out = torch.empty_like(res2) if residual is not None else None
         mean = torch.empty(rows, device=x.device, dtype=torch.float32)
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
@@ -200,10 +200,10 @@ class _TritonNorm(torch.autograd.Function):
                                             h.dtype if ctx.has_residual else ctx.x_dtype)
         dx = dx.reshape(ctx.shape)
         if ctx.has_residual:
-            return dx.to(ctx.x_dtype), dweight, dbias, dx, None, None
-        return dx, dweight, dbias, None, None, None
+            return dx.to(ctx.x_dtype), dweight, dbias, dx, None, None, None
+        return dx, dweight, dbias, None, None, None, None
 
 
-def triton_norm(x, weight, bias, eps: float, residual, rms: bool):
+def triton_norm(x, weight, bias, eps: float, residual, rms: bool, out_dtype=None):
     """(y, new_residual or None) from the Triton kernels; see tpflash.kernels.layer_norm."""
-    return _TritonNorm.apply(x, weight, bias, residual, eps, rms)
+    return _TritonNorm.apply(x, weight, bias, residual, eps, rms, out_dtype)

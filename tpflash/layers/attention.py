@@ -16,12 +16,12 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import kernels
 from ..parallel import comm
 from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_tp_group
+from .autocast_linear import linear
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_linears, init_linear_full
 from .rotary import RotaryEmbedding
 
@@ -76,7 +76,7 @@ class KVLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: the already gathered/copied column input (see `column_parallel_linears`)."""
-        return F.linear(x, *self.local_weight_and_bias())
+        return linear(x, *self.local_weight_and_bias())
 
 
 class ParallelAttention(nn.Module):

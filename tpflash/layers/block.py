@@ -58,7 +58,7 @@ class ParallelTransformerBlock(nn.Module):
         self.rng_tracker = rng_tracker or RNGTracker(tp_rank=group_rank(self.process_group))
         ffn_hidden = ffn_hidden or 4 * hidden
         norm_kw = dict(kind=norm, eps=norm_eps, bias=bias and norm == "layernorm", sequence_parallel=sequence_parallel,
-                       process_group=self.process_group, device=device, dtype=dtype)
+                       process_group=self.process_group, autocast_output=True, device=device, dtype=dtype)
         layer_kw = dict(bias=bias, sequence_parallel=sequence_parallel, process_group=self.process_group,
                         init_method=init_method, out_init_method=out_init_method, device=device, dtype=dtype)
         self.attn_norm = ParallelNorm(hidden, **norm_kw)

@@ -20,11 +20,11 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..parallel import comm, overlap as _overlap
 from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_tp_group
+from .autocast_linear import linear
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -76,12 +76,17 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     if _overlap_applies(sequence_parallel, seq_dim, group, overlap):
         return list(_overlap.all_gather_linear(x, weights, biases, group, save_gathered_input))
     x = column_parallel_input(x, group, sequence_parallel, seq_dim)  # [seq, *, in]
-    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    return [linear(x, w, b) for w, b in zip(weights, biases)]
 
 
 def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool, seq_dim: int = 0) -> torch.Tensor:
     """The full input of column-parallel GEMMs: under SP x [seq/tp, *, in] all-gathered along `seq_dim`
-    (gradient reduce-scattered), else x itself (replicated; gradient all-reduced over `group`)."""
+    (gradient reduce-scattered), else x itself (replicated; gradient all-reduced over `group`).
+    Under autocast x is cast to the autocast dtype first: F.linear would cast the gathered tensor
+    anyway (same bits), and an fp32 residual stream would otherwise travel, and have its gradient
+    reduced, at twice the bytes."""
+    if group_size(group) > 1:
+        x = x.to(_overlap.linear_compute_dtype(x))
     if sequence_parallel:
         return comm.all_gather_along_seq(x, group, seq_dim)
     return comm.copy_to_tp_region(x, group)
@@ -162,7 +167,7 @@ class RowParallelLinear(nn.Module):
         if _pipelined(self):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
             y = _overlap.linear_reduce_scatter(x, self.weight, self.process_group)  # [seq/tp, *, out]
             return self.add_bias(y)
-        return self.reduce_partial_sum(F.linear(x, self.weight))
+        return self.reduce_partial_sum(linear(x, self.weight))
 
     def reduce_partial_sum(self, y: torch.Tensor) -> torch.Tensor:
         """This layer's output from the rank's partial product y = x_local W_local^T [*, out]: summed over

@@ -26,17 +26,22 @@ class ParallelNorm(nn.Module):
     forward(x) -> y, or forward(x, residual) -> (norm(x + residual), x + residual): the
     pre-norm residual add fused into the norm kernel. x: [*, dim] (under SP: [seq/tp, batch, dim]).
     State-dict keys equal nn.LayerNorm's ("weight", "bias") / an RMSNorm's ("weight").
+    autocast_output: under autocast, y comes out in the autocast dtype, rounded once from fp32, which
+    is what the next linear layer would cast it to; that saves the cast's pass and its gradient's
+    (the transformer blocks set it; default off: nn.LayerNorm's fp32 output under autocast).
     Process group: `process_group`, else the default tp group, else none; only used under SP.
     """
 
     def __init__(self, dim: int, kind: str = "layernorm", eps: float = 1e-5, bias: bool = True,
-                 sequence_parallel: bool = False, process_group=None, device=None, dtype=None):
+                 sequence_parallel: bool = False, process_group=None, autocast_output: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         if kind not in NORMS:
             raise ValueError(f"norm={kind!r} must be one of {NORMS}")
         if kind == "rmsnorm" and bias:
             raise ValueError("norm='rmsnorm' has no bias; pass bias=False")
         self.dim, self.kind, self.eps, self.sequence_parallel = dim, kind, eps, sequence_parallel
+        self.autocast_output = autocast_output
         self.process_group = resolve_tp_group(process_group)
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
@@ -49,9 +54,12 @@ class ParallelNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         weight = self._param(self.weight)
+        out_dtype = None
+        if self.autocast_output and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+            out_dtype = torch.get_autocast_dtype(x.device.type)
         if self.kind == "layernorm":
-            return kernels.layer_norm(x, weight, self._param(self.bias), eps=self.eps, residual=residual)
-        return kernels.rms_norm(x, weight, eps=self.eps, residual=residual)
+            return kernels.layer_norm(x, weight, self._param(self.bias), self.eps, residual, out_dtype)
+        return kernels.rms_norm(x, weight, self.eps, residual, out_dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, kind={self.kind}, eps={self.eps}, bias={self.bias is not None}, "

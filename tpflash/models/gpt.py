@@ -82,7 +82,8 @@ class GPT(nn.Module):
             for _ in range(config.n_layer))
         self.final_norm = ParallelNorm(config.n_embd, config.norm, config.norm_eps,
                                        bias=config.bias and config.norm == "layernorm",
-                                       sequence_parallel=self.sequence_parallel, process_group=self.process_group, **kw)
+                                       sequence_parallel=self.sequence_parallel, process_group=self.process_group,
+                                       autocast_output=True, **kw)
         self.lm_head = None
         if not config.tie_embeddings:  # same layout as the embedding table: rows = vocab, sharded
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=self.process_group,

@@ -157,10 +157,12 @@ def _bmm_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, bias: Optiona
 
 # ---- dtype handling under autocast -----------------------------------------------------------------
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype F.linear would compute in here: the autocast dtype when autocast is on, else x's."""
+def linear_compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would compute in for input x here: the autocast dtype when autocast is on
+    (autocast leaves float64 alone), else x's."""
     dev = x.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) and x.is_floating_point():
+    if (dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) and x.is_floating_point()
+            and x.dtype != torch.float64):
         return torch.get_autocast_dtype(dev)
     return x.dtype
 
@@ -191,7 +193,7 @@ class _AllGatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_local, group, save_gathered, *params):
         n = len(params) // 2
-        dtype = _compute_dtype(x_local)
+        dtype = linear_compute_dtype(x_local)
         ctx.group, ctx.save_gathered, ctx.x_dtype = group, save_gathered, x_local.dtype
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.has_bias = [b is not None for b in params[n:]]
@@ -251,7 +253,7 @@ class _LinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, group):
-        dtype = _compute_dtype(h)
+        dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype)
         h, w = h.to(dtype).contiguous(), weight.to(dtype)
         world = dist.get_world_size(group)

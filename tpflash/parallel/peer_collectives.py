@@ -17,6 +17,7 @@ collectives. Process group: the one given (CUDA tensors, world > 1).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Dict, List
 
@@ -42,11 +43,7 @@ def available(x: torch.Tensor, group) -> bool:
     with symmetric memory."""
     if group is None or not x.is_cuda or dist.get_world_size(group) == 1:
         return False
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401  (import check only)
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("torch.distributed._symmetric_memory") is not None
 
 
 class _Workspace:

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .overlap import _cast, _compute_dtype, _no_autocast, _rows
+from .overlap import _cast, linear_compute_dtype, _no_autocast, _rows
 
 _enabled_groups: set = set()
 
@@ -56,7 +56,7 @@ class _SymmAllGatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_local, group, *params):
         n = len(params) // 2
-        dtype = _compute_dtype(x_local)
+        dtype = linear_compute_dtype(x_local)
         ctx.group, ctx.x_dtype = group, x_local.dtype
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.has_bias = [b is not None for b in params[n:]]
@@ -91,7 +91,7 @@ class _SymmLinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, group):
-        dtype = _compute_dtype(h)
+        dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype)
         h, w = h.to(dtype).contiguous(), weight.to(dtype)
         with _no_autocast(h):
