@@ -98,7 +98,7 @@ def _cuda_kernels(prof) -> List[Tuple[str, float, float]]:
 
 # CUDA runtime calls that make the host wait for the device: a step that makes them is not host-free.
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaFree",
-              "cudaStreamWaitValue", "cudaMemcpy ")
+              "cudaMemcpy")  # cudaMemcpy (synchronous), not cudaMemcpyAsync
 
 
 def host_breakdown(prof, steps: int, top: int = 15) -> dict:
@@ -111,7 +111,7 @@ def host_breakdown(prof, steps: int, top: int = 15) -> dict:
             continue
         self_ms = evt.self_cpu_time_total / 1e3 / steps
         per_op.append((self_ms, evt.count // steps, evt.key))
-        if any(evt.key.startswith(call.strip()) for call in SYNC_CALLS):
+        if evt.key in SYNC_CALLS:
             syncs[evt.key] = (evt.count // steps, self_ms)
     per_op.sort(reverse=True)
     return {"top_host_ops": per_op[:top], "sync_calls": syncs}
