@@ -52,6 +52,33 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> None:
                          f"is not divisible by the group size {world}")
 
 
+# The layers issue a few hundred collectives per training step, and torch.distributed's Python
+# wrappers (argument checks, logging decorators, group lookups) cost tens of microseconds of host
+# time each, which a tp=2 step on fast GPUs cannot hide. The ProcessGroup's own methods do the same
+# collective without them; the wrappers remain the fallback for a torch that lacks those methods.
+_PG_METHODS = all(hasattr(dist.ProcessGroup, m) for m in ("allreduce", "_allgather_base", "_reduce_scatter_base"))
+
+
+def _issue_all_reduce(out: torch.Tensor, group) -> dist.Work:
+    if _PG_METHODS and group is not None:
+        return group.allreduce([out])  # SUM, in place
+    return dist.all_reduce(out, group=group, async_op=True)
+
+
+def _issue_all_gather(out: torch.Tensor, x: torch.Tensor, group) -> dist.Work:
+    if _PG_METHODS and group is not None:
+        return group._allgather_base(out, x)
+    return all_gather_single(out, x, group=group, async_op=True)
+
+
+def _issue_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group) -> dist.Work:
+    if _PG_METHODS and group is not None:
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return group._reduce_scatter_base(out, x, opts)
+    return reduce_scatter_single(out, x, group=group, async_op=True)
+
+
 def _through_peers(x: torch.Tensor, group: ProcessGroup) -> bool:
     return peer_collectives.comm_backend() == "copy_engine" and peer_collectives.available(x, group)
 
@@ -59,7 +86,7 @@ def _through_peers(x: torch.Tensor, group: ProcessGroup) -> bool:
 def all_reduce_async(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:
     """Sum `x` over the group into a new tensor (x itself is left alone)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    work = dist.all_reduce(out, group=group, async_op=True) if group_size(group) > 1 else None
+    work = _issue_all_reduce(out, group) if group_size(group) > 1 else None
     return PendingCollective(work, out)
 
 
@@ -74,7 +101,7 @@ def all_gather_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> PendingC
         work, out = None, peer_collectives.all_gather(moved, group)
     else:
         out = moved.new_empty((world * moved.shape[0],) + moved.shape[1:])
-        work = all_gather_single(out, moved, group=group, async_op=True)
+        work = _issue_all_gather(out, moved, group)
     finish = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
     return PendingCollective(work, out, finish)
 
@@ -91,7 +118,7 @@ def reduce_scatter_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> Pend
         work, out = None, peer_collectives.reduce_scatter(moved, group)
     else:
         out = moved.new_empty((moved.shape[0] // world,) + moved.shape[1:])
-        work = reduce_scatter_single(out, moved, group=group, async_op=True)
+        work = _issue_reduce_scatter(out, moved, group)
     finish = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
     return PendingCollective(work, out, finish)
 

@@ -168,8 +168,11 @@ def resolve_tp_group(process_group) -> Optional[dist.ProcessGroup]:
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    """Ranks in `group` (1 for None). Asked on every layer call, so the group's own C++ method
+    rather than dist.get_world_size's Python lookup."""
+    return 1 if group is None else group.size()
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    """This process's rank within `group` (0 for None)."""
+    return 0 if group is None else group.rank()
