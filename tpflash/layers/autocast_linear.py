@@ -24,6 +24,8 @@ def _weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             out = torch.mm(grad_y.t(), x, out_dtype=torch.float32)
             _MM_OUT_DTYPE[0] = True
             return out
+        except torch.OutOfMemoryError:  # a real failure, not a missing overload
+            raise
         except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm.dtype for these inputs
             _MM_OUT_DTYPE[0] = False
     return torch.mm(grad_y.t(), x).float()
