@@ -64,8 +64,7 @@ class _Workspace:
 
     def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """rank's buffer, from byte offset_bytes, as a [shape] tensor of dtype (a peer's: mapped memory)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // itemsize)
+        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // dtype.itemsize)
 
 
 _workspaces: Dict[tuple, _Workspace] = {}
