@@ -2,11 +2,10 @@
 
 One flag (RMS) selects RMSNorm (no mean, no bias); one flag (HAS_RESIDUAL) fuses h = x + residual,
 whose value is written out as the new residual and normalised in fp32. Forward: one program per
-row. Backward: a fixed number of programs (a few per SM) each walk their own rows in tiles of
-ROWS rows (loads of several rows in flight, the next tile prefetched when STAGES > 1), keep
+row. Backward: one program per SM, each walking its own rows in tiles of ROWS rows (loads of several rows in flight, the next tile prefetched when STAGES > 1), keep
 dweight/dbias partial sums in fp32 registers, and a final torch sum over programs reduces them
-(no atomics, deterministic). ROWS and STAGES are chosen by a fixed rule from the shapes, not by
-timing: on the H100, different (ROWS, STAGES) gave gradients that differ in the last bits, and tp
+(no atomics, deterministic). The launch is a fixed rule of the shapes and dtypes, not an autotuner:
+on the H100, different (ROWS, STAGES) gave gradients that differ in the last bits, and tp
 ranks that normalise the same replicated activations must compute the same bits (an autotuner's
 timing-based pick could differ between them).
 """
@@ -45,11 +44,14 @@ def _norm_fwd_kernel(X, RES, W, B, Y, RES_OUT, MEAN, RSTD, n, eps, BLOCK: tl.con
     tl.store(Y + row * n + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
-# (rows per tile, pipeline stages) of the backward on a GPU, in order of preference: the first
-# that fits runs. (2, 3) is what an autotuner over these picked on an H100 at n = 4096.
-BWD_SHAPES = [(2, 3), (2, 2), (1, 2), (1, 1)]
-TILE_PER_THREAD = 32  # most elements of a [ROWS, BLOCK] tile a thread may hold (fp32 registers each)
+# The backward's launch on a GPU (rows per tile, pipeline stages, warps, programs per SM): a fixed
+# rule of the shapes and dtypes (_bwd_launch), not an autotuner: see the module docstring. Chosen
+# with scripts/tune_norm_bwd.py on an H100 (docs/performance.md, fourth session): one program per
+# SM walking its rows with 3-stage pipelined loads beat 4 programs per SM by 10-40%.
+TILE_BYTES = 16 * 1024  # a tile of 2 rows only while it holds at most this many bytes of h
+ELEMENTS_PER_WARP = 1024  # warps = tile elements / this (32 per thread), 4 to 16
 SMEM_BUDGET = 192 * 1024  # bytes of pipelined loads an H100 program may stage (228 KB per SM)
+INTERPRET_BWD = {"ROWS": 2, "STAGES": 2, "WARPS": 1, "PER_SM": None}  # CPU interpreter: 4 programs
 
 
 @triton.jit
@@ -101,41 +103,27 @@ def _norm_bwd_kernel(H, W, DY, DRES, DX, DW, DB, MEAN, RSTD, rows, n, rows_per_p
 
 
 def _warps(block: int) -> int:
-    """Warps of a program for rows of BLOCK columns: fixed per BLOCK (the row sums' order depends on it)."""
+    """Warps of a forward program for rows of BLOCK columns."""
     return min(max(block // 256, 1), 16)
 
 
-def _fits(config, named_args, **kwargs) -> bool:
-    """Whether a backward candidate has the warps of this BLOCK and fits the register and shared-memory budgets."""
-    block, rows, stages = kwargs["BLOCK"], config.kwargs["ROWS"], config.kwargs["STAGES"]
-    if config.num_warps != _warps(block):
-        return False
-    # below 256 columns a warp's lanes no longer all lie along the row for every ROWS, and the
-    # row sums would change with ROWS
-    if rows > 1 and (rows * block > TILE_PER_THREAD * 32 * config.num_warps or block < 256):
-        return False
-    loaded = [named_args["H"], named_args["DY"]] + ([named_args["DRES"]] if kwargs["HAS_DRES"] else [])
-    return stages == 1 or stages * rows * block * sum(t.element_size() for t in loaded) <= SMEM_BUDGET
-
-
-def _bwd_config(block: int, tensors: dict, has_dres: bool) -> dict:
-    """{"ROWS", "STAGES"}: the first of BWD_SHAPES that fits this BLOCK and these dtypes ((1, 1) always does)."""
-    for rows, stages in BWD_SHAPES:
-        config = triton.Config({"ROWS": rows, "STAGES": stages}, num_warps=_warps(block))
-        if _fits(config, tensors, BLOCK=block, HAS_DRES=has_dres):
-            return config.kwargs
-    return {"ROWS": 1, "STAGES": 1}
-
-
-INTERPRET_BWD = {"ROWS": 2, "STAGES": 2}  # under the CPU interpreter: tiles of 2 rows, some of them partial
+def _bwd_launch(block: int, tensors: dict, has_dres: bool) -> dict:
+    """{"ROWS", "STAGES", "WARPS", "PER_SM"} of the backward on a GPU, from BLOCK and the dtypes."""
+    h_bytes = tensors["H"].element_size()
+    # below 256 columns a warp's lanes no longer all lie along the row for every ROWS, and the row
+    # sums would change with ROWS
+    rows = 2 if block >= 256 and 2 * block * h_bytes <= TILE_BYTES else 1
+    warps = min(max(rows * block // ELEMENTS_PER_WARP, 4), 16)
+    loaded = sum(tensors[k].element_size() for k in (["H", "DY", "DRES"] if has_dres else ["H", "DY"]))
+    stages = 3
+    while stages > 1 and stages * rows * block * loaded > SMEM_BUDGET:
+        stages -= 1
+    return {"ROWS": rows, "STAGES": stages, "WARPS": warps, "PER_SM": 1}
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_programs(device: torch.device) -> int:
-    """Row groups of the backward (a program each): a few per SM on a GPU, 4 under the interpreter."""
-    if interpreting() or device.type != "cuda":
-        return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch_shape(n: int):
@@ -145,26 +133,28 @@ def _launch_shape(n: int):
     return block, _warps(block)
 
 
-def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, config=None):
+def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, launch=None):
     """(dx [rows, n], dweight, dbias or None) of the norm of h [rows, n] (contiguous, as are dy/dres).
 
     Program p owns rows [p * per_program, (p + 1) * per_program) and writes their dweight/dbias sums
-    to row p of an fp32 [programs, n] buffer, summed here: no atomics, deterministic. `config`
-    ({"ROWS", "STAGES"}) overrides the rule of _bwd_config (tests).
+    to row p of an fp32 [programs, n] buffer, summed here: no atomics, deterministic. `launch`
+    (any of "ROWS", "STAGES", "WARPS", "PER_SM") overrides the rule of _bwd_launch (tests,
+    scripts/tune_norm_bwd.py).
     """
     rows, n = h.shape
+    block, _ = _launch_shape(n)
+    rule = INTERPRET_BWD if interpreting() else _bwd_launch(block, {"H": h, "DY": dy, "DRES": dres}, dres is not None)
+    launch = dict(rule, **(launch or {}))
+    groups = 4 if launch["PER_SM"] is None or h.device.type != "cuda" else launch["PER_SM"] * _sm_count(h.device)
     dx = torch.empty(rows, n, device=h.device, dtype=dx_dtype)
-    per_program = max(1, triton.cdiv(rows, _backward_programs(h.device)))
+    per_program = max(1, triton.cdiv(rows, groups))
     programs = max(1, triton.cdiv(rows, per_program))
     dw = torch.empty(programs, n, device=h.device, dtype=torch.float32)
     db = torch.empty(programs, n, device=h.device, dtype=torch.float32) if bias is not None else None
-    block, warps = _launch_shape(n)
     args = (h, weight, dy, dres, dx, dw, db, mean, rstd, rows, n, per_program)
     flags = dict(BLOCK=block, RMS=rms, HAS_DRES=dres is not None, HAS_BIAS=bias is not None)
-    if config is None:
-        config = INTERPRET_BWD if interpreting() else _bwd_config(block, {"H": h, "DY": dy, "DRES": dres},
-                                                                   dres is not None)
-    _norm_bwd_kernel[(programs,)](*args, **flags, **config, num_warps=1 if interpreting() else warps)
+    _norm_bwd_kernel[(programs,)](*args, **flags, ROWS=launch["ROWS"], STAGES=launch["STAGES"],
+                                  num_warps=launch["WARPS"])
     dbias = db.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dw.sum(0).to(weight.dtype), dbias
 
