@@ -88,6 +88,7 @@ class GPT(nn.Module):
         if not config.tie_embeddings:  # same layout as the embedding table: rows = vocab, sharded
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=self.process_group,
                                                   init_method=init, **kw)
+        self._graphed_blocks = None  # capture_cuda_graphs()
 
     # ---- shapes -------------------------------------------------------------------------------
     @property
@@ -129,9 +130,35 @@ class GPT(nn.Module):
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """The final-norm output, [seq, batch, hidden] ([seq/tp, batch, hidden] under SP)."""
         x, residual = self.embed(idx), None
-        for block in self.blocks:
-            x, residual = block(x, residual)
+        if self._graphed_blocks is not None and self._graphed_blocks.matches(x):
+            x, residual = self._graphed_blocks(x)
+        else:
+            for block in self.blocks:
+                x, residual = block(x, residual)
         return self.final_norm(x, residual=residual)[0]
+
+    def capture_cuda_graphs(self, batch_size: int, seq_len: int) -> None:
+        """Capture the blocks' forward and backward as CUDA graphs (tpflash.layers.graphed_blocks).
+
+        Later training forwards of [batch_size, seq_len] ids with grad mode on, under the autocast
+        state of this call (e.g. inside the same `torch.autocast("cuda", dtype=torch.bfloat16)`),
+        replay them instead of launching every kernel and collective from Python; other calls
+        (eval, no_grad, other shapes) run eagerly. Every tp rank must call it. Needs dropout=0,
+        checkpoint=None, no FSDP, overlap off; run one backward per forward. On CPU the replay is
+        an eager stand-in (tests). Call again to recapture; `release_cuda_graphs()` frees them.
+        """
+        from ..layers.graphed_blocks import GraphedBlocks, check_graphable
+        check_graphable(self.blocks)  # before any collective
+        idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device=self.head_weight.device)
+        self._check_input(idx, None)
+        self.release_cuda_graphs()
+        with torch.no_grad():
+            sample = self.embed(idx)  # [seq(/tp), batch, hidden]
+        self._graphed_blocks = GraphedBlocks(self.blocks, sample)
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs (and their memory pool); forwards run eagerly again."""
+        self._graphed_blocks = None
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[seq(/tp), batch, hidden] -> [seq, batch, V'/tp] (padding columns left as computed)."""

@@ -1,0 +1,137 @@
+"""A GPT whose blocks replay captured graphs (GPT.capture_cuda_graphs) trains exactly like the same
+GPT run eagerly: losses and gradients over AdamW steps, with and without sequence parallelism, at
+tp 2 and 4, gradient accumulation included. On CPU the graphs are the eager stand-in (every line
+of the replay plumbing runs under gloo); the gpu tests capture real CUDA graphs (NCCL inside)."""
+import pytest
+import torch
+
+from tests.distributed.checks import assert_close, init_tp
+from tpflash.models import GPT, GPTConfig
+
+VOCAB, SEQ, BATCH = 101, 8, 2
+
+
+def config(sequence_parallel, **kw):
+    return GPTConfig.preset("gpt2-tiny", vocab_size=VOCAB, block_size=16, n_layer=3, n_embd=32, n_head=4,
+                            ffn_hidden=64, sequence_parallel=sequence_parallel, **kw)
+
+
+def twins(cfg, device):
+    """(graphed model, eager model), the same weights."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPT(cfg, device=device))
+    return models
+
+
+def batch(seed, device, batch_size=BATCH):
+    g = torch.Generator().manual_seed(seed)  # the same tokens on every rank
+    idx = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
+    return idx.to(device), torch.randint(0, VOCAB, (batch_size, SEQ), generator=g).to(device)
+
+
+def amp(device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def train_body(tp, sequence_parallel, steps=3, micro_batches=2):
+    """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager."""
+    device = init_tp(tp).device if tp > 1 else torch.device("cuda")
+    graphed, eager = twins(config(sequence_parallel), device)
+    with amp(device):
+        graphed.capture_cuda_graphs(BATCH, SEQ)
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (graphed, eager)]
+    tol = 2e-2 if device.type == "cuda" else 1e-6
+    for step in range(steps):
+        losses = []
+        for model, opt in zip((graphed, eager), opts):
+            total = 0.0
+            for mb in range(micro_batches):
+                idx, targets = batch(10 * step + mb, device)
+                with amp(device):
+                    loss = model(idx, targets)
+                loss.backward()
+                total += loss.detach()
+            losses.append(total)
+            if model is graphed:
+                grads = [p.grad.clone() for p in model.parameters()]
+            else:
+                for (name, p), g in zip(model.named_parameters(), grads):
+                    assert_close(g, p.grad, f"step {step}: grad of {name}", tol=tol)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert_close(losses[0], losses[1], f"step {step}: loss", tol=tol)
+    assert graphed._graphed_blocks.forward_generation == steps * micro_batches, "the replays did not run"
+
+
+def fallback_body(tp):
+    """Calls the capture does not cover run the blocks eagerly and give the eager model's results."""
+    ps = init_tp(tp)
+    graphed, eager = twins(config(True), ps.device)
+    graphed.capture_cuda_graphs(BATCH, SEQ)
+    idx, targets = batch(5, ps.device, batch_size=BATCH + 1)  # another batch size
+    assert_close(graphed(idx, targets), eager(idx, targets), "loss at another shape", tol=1e-6)
+    with torch.no_grad():
+        idx, targets = batch(6, ps.device)
+        assert not graphed._graphed_blocks.matches(graphed.embed(idx))
+        assert_close(graphed(idx, targets), eager(idx, targets), "loss under no_grad", tol=1e-6)
+
+
+def out_of_order_body(tp):
+    ps = init_tp(tp)
+    model = twins(config(True), ps.device)[0]
+    model.capture_cuda_graphs(BATCH, SEQ)
+    first = model(*batch(1, ps.device))
+    model(*batch(2, ps.device))  # overwrites the activations `first` would need
+    try:
+        first.backward()
+    except RuntimeError as e:
+        assert "out of order" in str(e), e
+    else:
+        raise AssertionError("a stale backward through the graphed blocks did not raise")
+
+
+@pytest.mark.cpu_ranks
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_graphed_gpt_trains_like_the_eager_gpt(ranks, tp, sequence_parallel):
+    ranks(tp).run(train_body, tp, sequence_parallel)
+
+
+@pytest.mark.cpu_ranks
+def test_graphed_gpt_runs_other_shapes_and_no_grad_eagerly(ranks):
+    ranks(2).run(fallback_body, 2)
+
+
+@pytest.mark.cpu_ranks
+def test_backward_of_a_replaced_forward_raises(ranks):
+    ranks(2).run(out_of_order_body, 2)
+
+
+@pytest.mark.parametrize("setting,match", [(dict(dropout=0.1), "dropout=0.1"),
+                                           (dict(activation_checkpointing=True), "checkpoint='full'")])
+def test_capture_rejects_what_a_replay_would_get_wrong(setting, match):
+    model = GPT(config(False, **setting))
+    with pytest.raises(ValueError, match=match):
+        model.capture_cuda_graphs(BATCH, SEQ)
+
+
+def test_capture_checks_the_sequence_length():
+    with pytest.raises(ValueError, match="exceeds block_size=16"):
+        GPT(config(False)).capture_cuda_graphs(BATCH, 32)
+
+
+@pytest.mark.gpu
+def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
+    train_body(1, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    ranks(2).run(train_body, 2, sequence_parallel)

@@ -1,0 +1,221 @@
+"""A stack of transformer blocks replayed as two CUDA graphs: one for its forward, one for its backward.
+
+Under tensor parallelism a training step issues, per block and direction, dozens of kernels and
+collectives, each with its own Python and launch cost; at tp=2 on fast GPUs the host then takes
+longer to issue a step than the GPUs take to run it (docs/performance.md, third session). Captured
+once, the whole stack's forward (every block, its collectives included) is one `replay()`, and so
+is its backward (activation gradients, parameter gradients, the all-reduces of sequence-parallel
+partial gradients): the host cost of the stack no longer grows with its depth.
+
+What a replay assumes, checked where it can be:
+- the same input shape, dtype and device, grad mode on, the same autocast state and the same
+  `training` flag as at capture; any other call runs the blocks eagerly (`matches`);
+- one backward per forward, in order: a second forward overwrites the saved activations, so the
+  backward of the first raises instead of computing wrong gradients;
+- parameters stay where they were (in-place optimizer updates are fine; re-materialising them,
+  e.g. FSDP, is not), no dropout (its random stream would not advance), no activation
+  checkpointing, no overlap pipelining (not validated under capture).
+
+On CPU the same class runs with an eager stand-in for the graph (`replay()` reruns the captured
+function into the same Python slots): no speed-up, but every line of the plumbing around the
+replays (static inputs, the autograd Function, gradient accumulation) runs in CI under gloo.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
+
+
+def _autocast_state(device_type: str) -> Tuple[bool, Optional[torch.dtype]]:
+    if not torch.is_autocast_enabled(device_type):
+        return False, None
+    return True, torch.get_autocast_dtype(device_type)
+
+
+def _autocast(device_type: str, state: Tuple[bool, Optional[torch.dtype]]):
+    """The autocast of `state`, without its weight-cast cache (a cached cast would outlive a replay)."""
+    enabled, dtype = state
+    if not enabled:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+
+class _CudaGraph:
+    """torch.cuda.CUDAGraph behind capture(fn) / replay(), sharing one memory pool per stack."""
+
+    def __init__(self, pool):
+        self.graph, self.pool = torch.cuda.CUDAGraph(), pool
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        # thread_local: the NCCL watchdog thread may query events while this thread captures
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
+            fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _EagerGraph:
+    """CPU stand-in: replay() reruns the captured function under the autocast and grad mode of capture."""
+
+    def __init__(self, device_type: str, autocast_state):
+        self.device_type, self.autocast_state, self.fn = device_type, autocast_state, None
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self.replay()
+
+    def replay(self) -> None:
+        with torch.enable_grad(), _autocast(self.device_type, self.autocast_state):
+            self.fn()
+
+
+def check_graphable(blocks: Sequence[nn.Module]) -> None:
+    """Raise ValueError naming the first setting of `blocks` that a captured replay would get wrong."""
+    from ..parallel import overlap, peer_collectives
+    for i, block in enumerate(blocks):
+        if getattr(block, "dropout", 0.0):
+            raise ValueError(f"block {i} has dropout={block.dropout}: CUDA graphs need dropout=0 "
+                             "(a replay would reuse one random mask)")
+        if getattr(block, "checkpoint", None) is not None:
+            raise ValueError(f"block {i} has checkpoint={block.checkpoint!r}: CUDA graphs need checkpoint=None")
+    params = [p for b in blocks for p in b.parameters()]
+    if any(type(p.data) is not torch.Tensor for p in params):
+        raise ValueError("the blocks' parameters are not plain tensors (FSDP/DTensor?): CUDA graphs need "
+                         "parameters that stay in place")
+    if overlap.overlap_enabled():
+        raise ValueError("CUDA graphs of tpflash blocks run with overlap off: capture outside "
+                         "overlap_comm(True) and without TPFLASH_OVERLAP=1")
+    if peer_collectives.comm_backend() != "nccl":
+        raise ValueError(f"CUDA graphs need TPFLASH_COMM_BACKEND=nccl, got {peer_collectives.comm_backend()!r}")
+
+
+class GraphedBlocks:
+    """blocks[0](x, None) -> ... -> blocks[-1] as a captured forward and backward.
+
+    `sample_x`: an input like the ones to replay, e.g. the embedding output [seq(/tp), batch, hidden];
+    capture runs under the caller's autocast (its dtype, never its cache) and grad mode must be on.
+    Calling returns (out, residual) of the last block, differentiable in x and in every block
+    parameter, like the eager loop. The blocks' collectives use their own process groups; every
+    rank of those groups must capture together.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], sample_x: torch.Tensor):
+        if not blocks:
+            raise ValueError("GraphedBlocks needs at least one block")
+        if not torch.is_grad_enabled():
+            raise ValueError("capture the blocks with grad mode on (their backward is captured too)")
+        check_graphable(blocks)
+        self.blocks = list(blocks)
+        device = sample_x.device
+        self.params = tuple(p for b in self.blocks for p in b.parameters() if p.requires_grad)
+        self.autocast_state = _autocast_state(device.type)
+        self.training = self.blocks[0].training
+        self.key = (tuple(sample_x.shape), sample_x.dtype, device)
+        self.static_x = sample_x.detach().clone().requires_grad_(True)
+        self.outputs: Tuple[torch.Tensor, ...] = ()
+        self.input_grads: Tuple[Optional[torch.Tensor], ...] = ()
+        self.forward_generation = 0  # bumped by every forward replay; a backward must match it
+        self.backward_generation = 0
+        if device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()
+            self.fwd_graph, self.bwd_graph = _CudaGraph(pool), _CudaGraph(pool)
+            self._warm_up()
+        else:
+            self.fwd_graph = _EagerGraph(device.type, self.autocast_state)
+            self.bwd_graph = _EagerGraph(device.type, self.autocast_state)
+        with _autocast(device.type, self.autocast_state):
+            self.fwd_graph.capture(self._forward)
+            self.static_grad_out = tuple(torch.empty_like(o) for o in self.outputs)
+            self.bwd_graph.capture(self._backward)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # ---- what the graphs run --------------------------------------------------------------------
+    def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        residual = None
+        for block in self.blocks:
+            x, residual = block(x, residual)
+        return x, residual
+
+    def _forward(self) -> None:
+        self.outputs = self._run_blocks(self.static_x)
+
+    def _backward(self) -> None:
+        self.input_grads = torch.autograd.grad(self.outputs, (self.static_x,) + self.params, self.static_grad_out,
+                                               allow_unused=True)
+
+    def _warm_up(self) -> None:
+        """A few eager passes on a side stream, so lazy set-up (autotuning, cuBLAS handles, NCCL
+        communicators) happens before capture rather than inside it."""
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), _autocast(self.static_x.device.type, self.autocast_state):
+            for _ in range(WARMUP_ITERS):
+                outs = self._run_blocks(self.static_x)
+                torch.autograd.grad(outs, (self.static_x,) + self.params, [torch.ones_like(o) for o in outs],
+                                    allow_unused=True)
+        torch.cuda.synchronize()
+
+    # ---- replay -----------------------------------------------------------------------------------
+    def matches(self, x: torch.Tensor) -> bool:
+        """Whether a replay computes what the eager blocks would for this input, here and now."""
+        return (torch.is_grad_enabled() and (tuple(x.shape), x.dtype, x.device) == self.key
+                and _autocast_state(x.device.type) == self.autocast_state and self.blocks[0].training == self.training)
+
+    def __call__(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not self.matches(x):
+            raise ValueError(f"input {tuple(x.shape)} {x.dtype} (grad mode, autocast, training) does not match "
+                             f"the capture's {self.key}; check matches() first")
+        return _ReplayBlocks.apply(self, x, *self.params)
+
+    def replay_forward(self, x: torch.Tensor) -> int:
+        if x.data_ptr() != self.static_x.data_ptr():
+            self.static_x.copy_(x)
+        self.fwd_graph.replay()
+        self.forward_generation += 1
+        return self.forward_generation
+
+    def replay_backward(self, generation: int, grads: Sequence[Optional[torch.Tensor]]):
+        if generation != self.forward_generation or self.backward_generation == generation:
+            raise RuntimeError("backward through CUDA-graphed blocks out of order: the blocks ran forward again "
+                               "(or this backward already ran) since the forward this gradient belongs to; "
+                               "graphed blocks need one backward per forward, in order")
+        self.backward_generation = generation
+        for static, grad in zip(self.static_grad_out, grads):
+            if grad is None:
+                static.zero_()
+            elif grad.data_ptr() != static.data_ptr():
+                static.copy_(grad)
+        self._unalias_accumulated_grads()
+        self.bwd_graph.replay()
+        return tuple(None if g is None else g.detach() for g in self.input_grads)
+
+    def _unalias_accumulated_grads(self) -> None:
+        # autograd keeps a returned gradient as param.grad when there was none: that .grad is then
+        # the graph's own output buffer, which the next replay overwrites before autograd adds the
+        # new gradient to it. Gradient accumulation (a second backward before zero_grad) needs it
+        # moved out first.
+        for p, g in zip(self.params, self.input_grads[1:]):
+            if p.grad is not None and g is not None and p.grad.data_ptr() == g.data_ptr():
+                p.grad = p.grad.clone()
+
+
+class _ReplayBlocks(torch.autograd.Function):
+    """The graphed stack as one autograd node: inputs x and every parameter, outputs (out, residual)."""
+
+    @staticmethod
+    def forward(ctx, graphed: GraphedBlocks, x: torch.Tensor, *params: torch.Tensor):
+        ctx.graphed = graphed
+        ctx.generation = graphed.replay_forward(x)
+        return tuple(o.detach() for o in graphed.outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        return (None,) + ctx.graphed.replay_backward(ctx.generation, grads)
