@@ -134,6 +134,9 @@ class GraphedBlocks:
             self.bwd_graph.capture(self._backward)
         if device.type == "cuda":
             torch.cuda.synchronize()
+            # The captured autograd graph is spent (its replays need only the static tensors), and
+            # holding it would keep the parameters' AccumulateGrad nodes on the capture stream.
+            self.outputs = tuple(o.detach() for o in self.outputs)
 
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +180,7 @@ class GraphedBlocks:
     def replay_forward(self, x: torch.Tensor) -> int:
         if x.data_ptr() != self.static_x.data_ptr():
             self.static_x.copy_(x)
+        self._unalias_accumulated_grads()
         self.fwd_graph.replay()
         self.forward_generation += 1
         return self.forward_generation
@@ -192,15 +196,15 @@ class GraphedBlocks:
                 static.zero_()
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
-        self._unalias_accumulated_grads()
         self.bwd_graph.replay()
         return tuple(None if g is None else g.detach() for g in self.input_grads)
 
     def _unalias_accumulated_grads(self) -> None:
         # autograd keeps a returned gradient as param.grad when there was none: that .grad is then
-        # the graph's own output buffer, which the next replay overwrites before autograd adds the
-        # new gradient to it. Gradient accumulation (a second backward before zero_grad) needs it
-        # moved out first.
+        # the backward graph's output buffer, in the pool the graphs share, and the next forward
+        # replay may already write its temporaries there (the captures reused freed blocks). To
+        # accumulate (a second forward and backward before zero_grad), such a .grad is moved out
+        # first: one copy of those gradients per extra micro-batch, none without accumulation.
         for p, g in zip(self.params, self.input_grads[1:]):
             if p.grad is not None and g is not None and p.grad.data_ptr() == g.data_ptr():
                 p.grad = p.grad.clone()
