@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The end-to-end table on 2 GPUs (nvidia-h200-x2), in calls that fit the device tool's 10 minutes:
-#   OUT=<dir> bash scripts/gpu_e2e.sh check   gpu-marked tests (NCCL layers, kernels, comm, autocast linear),
-#                                             then tpflash at tp=2 with --profile (where the step goes)
-#   OUT=<dir> bash scripts/gpu_e2e.sh table   tpflash and its peers side by side: gpt-1.3b at tp=1 (tpflash,
-#                                             plain, plain-compile), gpt-2.7b tpflash at tp=1 (for the efficiency),
-#                                             both models at tp=2 (tpflash-nooverlap, dtensor-compile)
+#   OUT=<dir> bash scripts/gpu_e2e.sh check   gpu-marked tests (NCCL layers and CUDA-graphed GPT, kernels, comm,
+#                                             autocast linear), then tpflash-graphs at tp=2 with --profile
+#   OUT=<dir> bash scripts/gpu_e2e.sh table   tpflash and its peers side by side: gpt-1.3b at tp=1 (tpflash-graphs,
+#                                             tpflash, plain, plain-compile), gpt-2.7b tpflash-graphs at tp=1 (for
+#                                             the efficiency), both models at tp=2 (tpflash-graphs,
+#                                             tpflash-nooverlap, dtensor-compile)
 # Rows go to $OUT/bench_e2e.jsonl; `python3 scripts/bench_e2e.py --table-only --results FILE` prints them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,18 +19,16 @@ case "${1:-check}" in
   check)
     timeout 150 python3 -m pytest tests/distributed/test_linear.py tests/distributed/test_mlp.py \
       tests/distributed/test_comm.py tests/distributed/test_overlap.py tests/distributed/test_gpt.py \
-      -q -p no:cacheprovider -rfE 2>&1 | tail -8
+      tests/distributed/test_graphed_blocks.py -q -p no:cacheprovider -rfE 2>&1 | tail -8
     timeout 200 python3 -m pytest -m gpu tests/kernels tests/test_fused_linear_cross_entropy.py tests/test_autocast_linear.py \
       -k "not fused_dense" -n 4 -q -p no:cacheprovider -rfE 2>&1 | tail -8
-    timeout 150 $RUN --nproc_per_node=2 $E2E --tp 2 --models gpt-1.3b,gpt-2.7b --impls tpflash-nooverlap --profile \
+    timeout 150 $RUN --nproc_per_node=2 $E2E --tp 2 --models gpt-1.3b,gpt-2.7b --impls tpflash-graphs --profile \
       2>&1 | grep "profile\]\|bench_e2e\]" | grep -v "^\[profile\]   .*ms .*x  " ;;
   table)  # what the issue's targets compare, sized to fit one 10-minute call
-    timeout 60 python3 -m pytest tests/distributed/test_comm.py tests/distributed/test_linear.py -q -p no:cacheprovider \
-      -rfE 2>&1 | tail -3
-    timeout 170 $RUN --nproc_per_node=1 $E2E --tp 1 --models gpt-1.3b --impls tpflash,plain,plain-compile \
+    timeout 200 $RUN --nproc_per_node=1 $E2E --tp 1 --models gpt-1.3b --impls tpflash-graphs,tpflash,plain,plain-compile \
       2>&1 | grep "bench_e2e\]\|Error"
-    timeout 70 $RUN --nproc_per_node=1 $E2E --tp 1 --models gpt-2.7b --impls tpflash 2>&1 | grep "bench_e2e\]\|Error"
-    timeout 270 $RUN --nproc_per_node=2 $E2E --tp 2 --models gpt-1.3b,gpt-2.7b --impls tpflash-nooverlap,dtensor-compile \
-      2>&1 | grep "bench_e2e\]\|Error"
+    timeout 70 $RUN --nproc_per_node=1 $E2E --tp 1 --models gpt-2.7b --impls tpflash-graphs 2>&1 | grep "bench_e2e\]\|Error"
+    timeout 300 $RUN --nproc_per_node=2 $E2E --tp 2 --models gpt-1.3b,gpt-2.7b \
+      --impls tpflash-graphs,tpflash-nooverlap,dtensor-compile 2>&1 | grep "bench_e2e\]\|Error"
     python3 scripts/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md" ;;
 esac
