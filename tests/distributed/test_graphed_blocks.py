@@ -7,6 +7,7 @@ import torch
 
 from tests.distributed.checks import assert_close, init_tp
 from tpflash.models import GPT, GPTConfig
+from tpflash.parallel import overlap
 
 VOCAB, SEQ, BATCH = 101, 8, 2
 
@@ -37,10 +38,16 @@ def amp(device):
     return torch.autocast("cpu", enabled=False)
 
 
-def train_body(tp, sequence_parallel, steps=3, micro_batches=2):
-    """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager."""
+def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False):
+    """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager (both with
+    the collectives pipelined when `overlap_on`)."""
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel), device)
+    with overlap.overlap_comm(overlap_on):
+        _train(graphed, eager, device, steps, micro_batches)
+
+
+def _train(graphed, eager, device, steps, micro_batches):
     with amp(device):
         graphed.capture_cuda_graphs(BATCH, SEQ)
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (graphed, eager)]
@@ -102,6 +109,11 @@ def test_graphed_gpt_trains_like_the_eager_gpt(ranks, tp, sequence_parallel):
 
 
 @pytest.mark.cpu_ranks
+def test_graphed_gpt_with_overlap_trains_like_the_eager_gpt(ranks):
+    ranks(2).run(train_body, 2, True, 2, 2, True)
+
+
+@pytest.mark.cpu_ranks
 def test_graphed_gpt_runs_other_shapes_and_no_grad_eagerly(ranks):
     ranks(2).run(fallback_body, 2)
 
@@ -131,7 +143,8 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel):
+@pytest.mark.parametrize("overlap_on", [False, True], ids=["serial", "overlap"])
+def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    ranks(2).run(train_body, 2, sequence_parallel)
+    ranks(2).run(train_body, 2, sequence_parallel, 3, 2, overlap_on)

@@ -14,7 +14,8 @@ What a replay assumes, checked where it can be:
   backward of the first raises instead of computing wrong gradients;
 - parameters stay where they were (in-place optimizer updates are fine; re-materialising them,
   e.g. FSDP, is not), no dropout (its random stream would not advance), no activation
-  checkpointing, no overlap pipelining (not validated under capture).
+  checkpointing, and overlap, if on at capture, in its "pieces" form (the replay pipelines as the
+  capture did, whatever the setting at replay).
 
 On CPU the same class runs with an eager stand-in for the graph (`replay()` reruns the captured
 function into the same Python slots): no speed-up, but every line of the plumbing around the
@@ -87,9 +88,9 @@ def check_graphable(blocks: Sequence[nn.Module]) -> None:
     if any(type(p.data) is not torch.Tensor for p in params):
         raise ValueError("the blocks' parameters are not plain tensors (FSDP/DTensor?): CUDA graphs need "
                          "parameters that stay in place")
-    if overlap.overlap_enabled():
-        raise ValueError("CUDA graphs of tpflash blocks run with overlap off: capture outside "
-                         "overlap_comm(True) and without TPFLASH_OVERLAP=1")
+    if overlap.overlap_enabled() and overlap.overlap_backend() != "pieces":
+        raise ValueError(f"CUDA graphs take overlap with TPFLASH_OVERLAP_BACKEND=pieces only, got "
+                         f"{overlap.overlap_backend()!r} (its symmetric-memory buffers are not captured)")
     if peer_collectives.comm_backend() != "nccl":
         raise ValueError(f"CUDA graphs need TPFLASH_COMM_BACKEND=nccl, got {peer_collectives.comm_backend()!r}")
 
