@@ -77,3 +77,34 @@ def test_resume_at_other_dp_continues_the_uninterrupted_curve(ranks, corpus, sin
     assert first[0] == 3 and step == STEPS
     got = torch.tensor(first[1] + rest)
     assert_close(got, torch.tensor([loss for loss, _ in single]), "loss curve across the dp change", tol=1e-5)
+
+
+def gpt_losses_body(cfg):
+    """Like losses_body with tpflash's own GPT; also says whether its blocks were graphed."""
+    trainer = Trainer(cfg)
+    curve = [trainer._dp_mean(trainer.train_step()["loss"]) for _ in range(3)]
+    return curve, trainer.cuda_graphs
+
+
+def _gpt_config(corpus, cuda_graphs):
+    return tiny_config(corpus, tp=2, cuda_graphs=cuda_graphs, train={"micro_batch_size": 2},
+                       model={"preset": "gpt2-tiny", "n_layer": 2, "n_embd": 32, "sequence_parallel": True})
+
+
+def test_cuda_graphs_on_trains_like_off(ranks, corpus):
+    # on CPU the graphs are the eager stand-in: this checks the trainer's capture (after resume,
+    # under its autocast, at the micro-batch shape) and its accumulation over micro-batches
+    on, graphed = ranks(2).run(gpt_losses_body, _gpt_config(corpus, "on"))[0]
+    off, plain = ranks(2).run(gpt_losses_body, _gpt_config(corpus, "off"))[0]
+    assert graphed and not plain
+    assert_close(torch.tensor(on), torch.tensor(off), "loss curve with cuda_graphs=on", tol=1e-6)
+
+
+def test_cuda_graphs_auto_is_off_on_cpu_and_on_names_what_stands_in_the_way(corpus):
+    from tpflash.models import GPT, GPTConfig
+    from tpflash.train import build
+    model = GPT(GPTConfig.preset("gpt2-tiny", n_layer=1, n_embd=32, dropout=0.1))
+    cpu = torch.device("cpu")
+    assert build.use_cuda_graphs(tiny_config(corpus, cuda_graphs="auto"), model, cpu, False)[0] is False
+    with pytest.raises(ValueError, match=r"cuda_graphs=on is not possible here: FSDP .*; model.dropout=0.1"):
+        build.use_cuda_graphs(tiny_config(corpus, cuda_graphs="on"), model, cpu, True)

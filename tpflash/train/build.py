@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -94,3 +94,33 @@ def make_optimizer(model: nn.Module, cfg: TrainSection, device: torch.device) ->
 def use_fsdp(cfg: TrainConfig, dp: int) -> bool:
     """FSDP over dp: fsdp=on, or fsdp=auto with dp > 1."""
     return cfg.fsdp == "on" or (cfg.fsdp == "auto" and dp > 1)
+
+
+def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, fsdp: bool) -> Tuple[bool, str]:
+    """(capture the model's blocks as CUDA graphs?, why) for cuda_graphs=auto/on/off.
+
+    auto: on CUDA at tp > 1, where issuing a step's kernels and collectives from Python takes longer
+    than the GPUs take to run them (docs/performance.md, fourth session), when nothing stands in the
+    way. on: wherever possible (CPU runs an eager stand-in), ValueError naming what stands in the way.
+    """
+    if cfg.cuda_graphs == "off":
+        return False, "off"
+    config = getattr(model, "config", None)
+    blockers = []
+    if not hasattr(model, "capture_cuda_graphs"):
+        blockers.append(f"{type(model).__name__} has no capture_cuda_graphs")
+    if fsdp:
+        blockers.append("FSDP re-materialises parameters every step")
+    if getattr(config, "dropout", 0.0):
+        blockers.append(f"model.dropout={config.dropout}")
+    if getattr(config, "activation_checkpointing", False):
+        blockers.append(f"model.activation_checkpointing={config.activation_checkpointing!r}")
+    if cfg.cuda_graphs == "on":
+        if blockers:
+            raise ValueError(f"cuda_graphs=on is not possible here: {'; '.join(blockers)}")
+        return True, "on" + (" (CPU: eager stand-in, no speed-up)" if device.type != "cuda" else "")
+    if device.type != "cuda" or cfg.tp == 1:
+        return False, "auto: off (CPU or tp=1, where the host keeps up)"
+    if blockers:
+        return False, f"auto: off ({'; '.join(blockers)})"
+    return True, "auto: on (CUDA, tp > 1)"

@@ -1,6 +1,6 @@
 """The training configuration: dataclasses, loaded from YAML and overridden from the command line.
 
-A config has top-level keys (tp, dp, seed, dtype, fsdp) and sections: `model` (a preset name
+A config has top-level keys (tp, dp, seed, dtype, fsdp, cuda_graphs) and sections: `model` (a preset name
 and/or GPTConfig fields), `data`, `train` (optimisation and batch sizes), `checkpoint` and `log`.
 YAML mirrors that nesting. Command-line overrides are `--section.key=value` (or
 `--section.key value`); a bare `--key=value` is accepted when the key names exactly one field
@@ -101,13 +101,17 @@ class LogSection:
 @dataclass
 class TrainConfig:
     """Everything `python -m tpflash.train` needs. dtype: "auto" (bf16 autocast on CUDA, fp32 on
-    CPU), "bf16" or "fp32". fsdp: "auto" (FSDP over dp when dp > 1), "on", "off"."""
+    CPU), "bf16" or "fp32". fsdp: "auto" (FSDP over dp when dp > 1), "on", "off". cuda_graphs:
+    "auto" (replay the model's blocks as CUDA graphs on CUDA at tp > 1 when the model allows it:
+    no FSDP, dropout 0, no activation checkpointing), "on" (also at tp=1; an error if not
+    allowed), "off"."""
 
     tp: int = 1
     dp: int = -1
     seed: int = 1234
     dtype: str = "auto"
     fsdp: str = "auto"
+    cuda_graphs: str = "auto"
     model: Dict[str, Any] = field(default_factory=dict)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainSection = field(default_factory=TrainSection)
@@ -119,7 +123,7 @@ class TrainConfig:
 
 
 SECTIONS = {f.name: f for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory)}
-_CHOICES = {"dtype": ("auto", "bf16", "fp32"), "fsdp": ("auto", "on", "off"),
+_CHOICES = {"dtype": ("auto", "bf16", "fp32"), "fsdp": ("auto", "on", "off"), "cuda_graphs": ("auto", "on", "off"),
             "data.format": ("auto", "text", "uint16", "uint32"), "train.fused_adam": ("auto", "on", "off"),
             "log.progress": ("auto", "bar", "lines", "none"), "log.tensorboard": ("auto", "on", "off")}
 

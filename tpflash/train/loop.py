@@ -70,6 +70,11 @@ class Trainer:
         self.step, self._saved_step = 0, -1
         self.fault = Fault(dist.get_rank(), dist.get_world_size())
         self.resumed_from = self._resume()
+        # after loading: the graphs replay on the parameter tensors they were captured with
+        self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device, self.fsdp)
+        if self.cuda_graphs:
+            with build.autocast(self.device, self.amp_dtype):
+                self.model.capture_cuda_graphs(self.plan.micro, self.seq_len)
 
     # ---------------------------------------------------------------- checkpoints
     def _resume(self) -> Optional[Dict]:
@@ -167,7 +172,8 @@ class Trainer:
         params = self.model.num_params() if hasattr(self.model, "num_params") else \
             sum(p.numel() for p in self.model.parameters())
         out.note(f"layout: tp={ps.tp_size} dp={ps.dp_size} (world {ps.world_size}, {self.device.type}), "
-                 f"fsdp={'on' if self.fsdp else 'off'}, compute dtype {self.amp_dtype or torch.float32}")
+                 f"fsdp={'on' if self.fsdp else 'off'}, compute dtype {self.amp_dtype or torch.float32}, "
+                 f"cuda graphs {self.cuda_graphs_why}")
         out.note(f"model: {params / 1e6:.2f}M parameters, seq {self.seq_len}; batch {plan.batch_size} = dp {plan.dp}"
                  f" x accum {plan.grad_accum} x micro {plan.micro}; {len(self.train_data)} train / "
                  f"{len(self.eval_data) if self.eval_data else 0} eval sequences")
