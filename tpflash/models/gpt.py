@@ -13,7 +13,6 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import losses
 from ..layers import ParallelNorm, ParallelTransformerBlock, VocabParallelEmbedding

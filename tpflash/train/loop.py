@@ -7,7 +7,6 @@ each global batch (tpflash.train.sampler), and steps its own shards of the optim
 from __future__ import annotations
 
 import os
-import time
 from typing import Dict, Optional
 
 import numpy as np
