@@ -15,7 +15,11 @@ What a replay assumes, checked where it can be:
 - parameters stay where they were (in-place optimizer updates are fine; re-materialising them,
   e.g. FSDP, is not), no dropout (its random stream would not advance), no activation
   checkpointing, and overlap, if on at capture, in its "pieces" form (the replay pipelines as the
-  capture did, whatever the setting at replay).
+  capture did, whatever the setting at replay);
+- the stack's outputs and gradients live in the graphs' memory: a tensor kept from one replay is
+  overwritten by the next. Parameter gradients are the exception made safe: a `.grad` still
+  holding graph memory when a forward replays (gradient accumulation) is copied out first, once
+  per extra micro-batch; `zero_grad(set_to_none=True)` between steps avoids even that.
 
 On CPU the same class runs with an eager stand-in for the graph (`replay()` reruns the captured
 function into the same Python slots): no speed-up, but every line of the plumbing around the
