@@ -142,8 +142,9 @@ class GPT(nn.Module):
         Later training forwards of [batch_size, seq_len] ids with grad mode on, under the autocast
         state of this call (e.g. inside the same `torch.autocast("cuda", dtype=torch.bfloat16)`),
         replay them instead of launching every kernel and collective from Python; other calls
-        (eval, no_grad, other shapes) run eagerly. Every tp rank must call it. Needs dropout=0,
-        checkpoint=None, no FSDP, overlap off; run one backward per forward. On CPU the replay is
+        (eval, no_grad, other shapes) run eagerly. Every tp rank must call it, after loading
+        weights. Needs dropout=0, no activation checkpointing, no FSDP; overlap, if on here, is
+        captured too (measured slower: docs/overlap.md). Run one backward per forward. On CPU the replay is
         an eager stand-in (tests). Call again to recapture; `release_cuda_graphs()` frees them.
         """
         from ..layers.graphed_blocks import GraphedBlocks, check_graphable

@@ -96,8 +96,9 @@ def use_fsdp(cfg: TrainConfig, dp: int) -> bool:
     return cfg.fsdp == "on" or (cfg.fsdp == "auto" and dp > 1)
 
 
-def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, fsdp: bool) -> Tuple[bool, str]:
-    """(capture the model's blocks as CUDA graphs?, why) for cuda_graphs=auto/on/off.
+def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device) -> Tuple[bool, str]:
+    """(capture the model's blocks as CUDA graphs?, why) for cuda_graphs=auto/on/off; call it after
+    FSDP has been applied (its parameters are one of the things that stand in the way).
 
     auto: on CUDA at tp > 1, where issuing a step's kernels and collectives from Python takes longer
     than the GPUs take to run them (docs/performance.md, fourth session), when nothing stands in the
@@ -105,22 +106,21 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, fs
     """
     if cfg.cuda_graphs == "off":
         return False, "off"
-    config = getattr(model, "config", None)
-    blockers = []
+    from ..layers.graphed_blocks import check_graphable
+    blocker = None
     if not hasattr(model, "capture_cuda_graphs"):
-        blockers.append(f"{type(model).__name__} has no capture_cuda_graphs")
-    if fsdp:
-        blockers.append("FSDP re-materialises parameters every step")
-    if getattr(config, "dropout", 0.0):
-        blockers.append(f"model.dropout={config.dropout}")
-    if getattr(config, "activation_checkpointing", False):
-        blockers.append(f"model.activation_checkpointing={config.activation_checkpointing!r}")
+        blocker = f"{type(model).__name__} has no capture_cuda_graphs"
+    else:
+        try:
+            check_graphable(model.blocks)
+        except ValueError as e:
+            blocker = str(e)
     if cfg.cuda_graphs == "on":
-        if blockers:
-            raise ValueError(f"cuda_graphs=on is not possible here: {'; '.join(blockers)}")
+        if blocker:
+            raise ValueError(f"cuda_graphs=on is not possible here: {blocker}")
         return True, "on" + (" (CPU: eager stand-in, no speed-up)" if device.type != "cuda" else "")
     if device.type != "cuda" or cfg.tp == 1:
         return False, "auto: off (CPU or tp=1, where the host keeps up)"
-    if blockers:
-        return False, f"auto: off ({'; '.join(blockers)})"
+    if blocker:
+        return False, f"auto: off ({blocker})"
     return True, "auto: on (CUDA, tp > 1)"

@@ -70,7 +70,7 @@ class Trainer:
         self.fault = Fault(dist.get_rank(), dist.get_world_size())
         self.resumed_from = self._resume()
         # after loading: the graphs replay on the parameter tensors they were captured with
-        self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device, self.fsdp)
+        self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device)
         if self.cuda_graphs:
             with build.autocast(self.device, self.amp_dtype):
                 self.model.capture_cuda_graphs(self.plan.micro, self.seq_len)
