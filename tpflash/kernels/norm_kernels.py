@@ -2,7 +2,8 @@
 
 One flag (RMS) selects RMSNorm (no mean, no bias); one flag (HAS_RESIDUAL) fuses h = x + residual,
 whose value is written out as the new residual and normalised in fp32. Forward: one program per
-row. Backward: one program per SM, each walking its own rows in tiles of ROWS rows (loads of several rows in flight, the next tile prefetched when STAGES > 1), keep
+row. Backward: one program per SM, each walking its own rows in tiles of ROWS rows (loads of
+several rows in flight, the next tile prefetched when STAGES > 1); programs keep their
 dweight/dbias partial sums in fp32 registers, and a final torch sum over programs reduces them
 (no atomics, deterministic). The launch is a fixed rule of the shapes and dtypes, not an autotuner:
 on the H100, different (ROWS, STAGES) gave gradients that differ in the last bits, and tp
