@@ -45,7 +45,9 @@ from e2e_profile import profile_exposed_comm  # noqa: E402
 
 MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560, layers=32, heads=32),
           "gpt-6.7b": dict(d=4096, layers=32, heads=32), "tiny": dict(d=64, layers=2, heads=4)}
-IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-overlap", "plain", "plain-compile", "dtensor", "dtensor-compile")
+IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-overlap", "plain", "plain-compile",
+         "dtensor", "dtensor-compile")
+OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives pipelined with the GEMMs
 BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile": "plain-compile"}
 
 
@@ -60,7 +62,7 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
         if ps.dp_size > 1:  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction on CUDA)
             tpflash.parallel.apply_fsdp(model, ps)
-        on = impl in ("tpflash", "tpflash-graphs-overlap")
+        on = impl in OVERLAPPED
         if impl.startswith("tpflash-graphs"):  # the replays pipeline (or not) as the capture did
             with overlap.overlap_comm(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
                                                           enabled=args.dtype == "bf16"):
@@ -180,7 +182,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             row["note"] = "; ".join(filter(None, [row.get("note"), extra.pop("note")]))
         row.update(extra)
         tok_gpu = args.batch * args.seq / ps.tp_size / step_s
-        if impl in ("tpflash", "tpflash-graphs-overlap") and ps.tp_size > 1:  # which overlap ran (TPFLASH_OVERLAP_BACKEND / _PIECES)
+        if impl in OVERLAPPED and ps.tp_size > 1:  # which overlap ran (TPFLASH_OVERLAP_BACKEND / _PIECES)
             how = ("overlap symm_mem" if overlap.overlap_backend() == "symm_mem"
                    else f"overlap k={overlap.num_pieces(args.seq // ps.tp_size)}")
             if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
