@@ -131,6 +131,28 @@ def test_capture_rejects_what_a_replay_would_get_wrong(setting, match):
         model.capture_cuda_graphs(BATCH, SEQ)
 
 
+class _NotPlain(torch.Tensor):
+    """Stands in for a DTensor/FSDP parameter: anything but a plain tensor."""
+
+
+def test_capture_rejects_parameters_that_are_not_plain_tensors():
+    model = GPT(config(False))
+    up = model.blocks[1].mlp.up_proj
+    up.weight = torch.nn.Parameter(up.weight.detach().as_subclass(_NotPlain))
+    with pytest.raises(ValueError, match="not plain tensors"):
+        model.capture_cuda_graphs(BATCH, SEQ)
+
+
+@pytest.mark.parametrize("env,match", [({"TPFLASH_COMM_BACKEND": "copy_engine"}, "TPFLASH_COMM_BACKEND=nccl"),
+                                       ({"TPFLASH_OVERLAP": "1", "TPFLASH_OVERLAP_BACKEND": "symm_mem"},
+                                        "TPFLASH_OVERLAP_BACKEND=pieces")])
+def test_capture_rejects_symmetric_memory_backends(monkeypatch, env, match):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=match):
+        GPT(config(False)).capture_cuda_graphs(BATCH, SEQ)
+
+
 def test_capture_checks_the_sequence_length():
     with pytest.raises(ValueError, match="exceeds block_size=16"):
         GPT(config(False)).capture_cuda_graphs(BATCH, 32)
