@@ -131,6 +131,22 @@ def test_capture_rejects_what_a_replay_would_get_wrong(setting, match):
         model.capture_cuda_graphs(BATCH, SEQ)
 
 
+def test_a_forward_replay_first_moves_accumulating_gradients_out_of_the_graph_buffers():
+    # autograd keeps the graph's gradient buffer itself as .grad; a forward replay may overwrite
+    # that memory on a GPU, so under accumulation the .grad must be copied out before it
+    model = GPT(config(False))
+    model.capture_cuda_graphs(BATCH, SEQ)
+    graphed = model._graphed_blocks
+    model(*batch(1, torch.device("cpu"))).backward()
+    buffers = {g.data_ptr() for g in graphed.input_grads[1:] if g is not None}
+    aliased = [p for p in graphed.params if p.grad.data_ptr() in buffers]
+    assert aliased, "no .grad aliases a graph buffer: this test would not cover the copy"
+    before = [p.grad.clone() for p in aliased]
+    model(*batch(2, torch.device("cpu")))
+    for p, value in zip(aliased, before):
+        assert p.grad.data_ptr() not in buffers and torch.equal(p.grad, value)
+
+
 class _NotPlain(torch.Tensor):
     """Stands in for a DTensor/FSDP parameter: anything but a plain tensor."""
 
