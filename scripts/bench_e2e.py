@@ -125,7 +125,7 @@ def time_steps(loss_fn, step_context, opt, args, ps):
     extra = {"host_ms": 1e3 * statistics.median(host)}
     if args.profile and ps.device.type == "cuda":  # after timing: the profiler's overhead stays out of it
         try:
-            extra.update(profile_exposed_comm(one_step, trace=_trace_path(args, ps)))
+            extra.update(profile_exposed_comm(one_step, trace=_trace_path(args, ps), top=args.profile_top))
         except Exception as exc:  # a profiler problem must not lose the timed row
             extra["note"] = f"profile failed: {_describe(exc)[:60]}"
     if args.cprofile:
@@ -338,6 +338,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny model, a few steps: a CPU/gloo smoke test")
     p.add_argument("--profile", action="store_true", help="after timing, profile 2 steps (CUDA) and report the "
                                                           "communication time and the part no kernel hides")
+    p.add_argument("--profile-top", type=int, default=12, metavar="N", help="with --profile: list the N kernels "
+                   "that take the most GPU time")
     p.add_argument("--trace-dir", default="", help="with --profile: write each rank's chrome trace here")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="after timing, run one step under cProfile on rank 0 and print its N costliest "

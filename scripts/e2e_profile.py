@@ -117,7 +117,7 @@ def host_breakdown(prof, steps: int, top: int = 15) -> dict:
     return {"top_host_ops": per_op[:top], "sync_calls": syncs}
 
 
-def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2, trace: str = "") -> dict:
+def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2, trace: str = "", top: int = 12) -> dict:
     """Profile `steps` calls of run_step on CUDA; {"comm_ms", "exposed_comm_ms", "gpu_active_ms"} per step.
 
     Also prints the GPU time per kernel category, the top kernels, the kernels launched per step,
@@ -132,12 +132,12 @@ def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2, trace: st
     kernels = _cuda_kernels(prof)
     comm, exposed = comm_and_exposed(kernels)
     active = length(union((s, e) for _, s, e in kernels)) / 1e3 / steps  # ms the GPU ran anything
-    breakdown = kernel_breakdown([(n, s / 1e3, e / 1e3) for n, s, e in kernels], steps)  # ms per step
+    breakdown = kernel_breakdown([(n, s / 1e3, e / 1e3) for n, s, e in kernels], steps, top)  # ms per step
     busy = sum(breakdown["by_category"].values())
     print(f"[profile] GPU busy {busy:.1f} ms/step (active {active:.1f}, {len(kernels) // steps} kernels) "
           "by category: " + ", ".join(f"{c} {t:.1f}" for c, t in breakdown["by_category"].items()), flush=True)
     for name, t in breakdown["top_kernels"]:
-        print(f"[profile]   {t:7.2f} ms  {name[:110]}", flush=True)
+        print(f"[profile]   {t:7.2f} ms  {name[:170]}", flush=True)
     host = host_breakdown(prof, steps)
     print("[profile] host, self time per step (ms, calls):", flush=True)
     for ms, count, name in host["top_host_ops"]:

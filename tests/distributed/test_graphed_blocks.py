@@ -2,6 +2,8 @@
 GPT run eagerly: losses and gradients over AdamW steps, with and without sequence parallelism, at
 tp 2 and 4, gradient accumulation included. On CPU the graphs are the eager stand-in (every line
 of the replay plumbing runs under gloo); the gpu tests capture real CUDA graphs (NCCL inside)."""
+import os
+
 import pytest
 import torch
 
@@ -38,13 +40,20 @@ def amp(device):
     return torch.autocast("cpu", enabled=False)
 
 
-def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False):
+def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, overlap_backend="pieces"):
     """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager (both with
-    the collectives pipelined when `overlap_on`)."""
+    the collectives pipelined when `overlap_on`, by `overlap_backend`)."""
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel), device)
-    with overlap.overlap_comm(overlap_on):
-        _train(graphed, eager, device, steps, micro_batches)
+    saved = os.environ.get("TPFLASH_OVERLAP_BACKEND")
+    os.environ["TPFLASH_OVERLAP_BACKEND"] = overlap_backend  # this rank process's; restored below
+    try:
+        with overlap.overlap_comm(overlap_on):
+            _train(graphed, eager, device, steps, micro_batches)
+    finally:
+        os.environ.pop("TPFLASH_OVERLAP_BACKEND")
+        if saved is not None:
+            os.environ["TPFLASH_OVERLAP_BACKEND"] = saved
 
 
 def _train(graphed, eager, device, steps, micro_batches):
@@ -159,13 +168,9 @@ def test_capture_rejects_parameters_that_are_not_plain_tensors():
         model.capture_cuda_graphs(BATCH, SEQ)
 
 
-@pytest.mark.parametrize("env,match", [({"TPFLASH_COMM_BACKEND": "copy_engine"}, "TPFLASH_COMM_BACKEND=nccl"),
-                                       ({"TPFLASH_OVERLAP": "1", "TPFLASH_OVERLAP_BACKEND": "symm_mem"},
-                                        "TPFLASH_OVERLAP_BACKEND=pieces")])
-def test_capture_rejects_symmetric_memory_backends(monkeypatch, env, match):
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(ValueError, match=match):
+def test_capture_rejects_the_copy_engine_comm_backend(monkeypatch):
+    monkeypatch.setenv("TPFLASH_COMM_BACKEND", "copy_engine")
+    with pytest.raises(ValueError, match="TPFLASH_COMM_BACKEND=nccl"):
         GPT(config(False)).capture_cuda_graphs(BATCH, SEQ)
 
 
@@ -181,8 +186,9 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("overlap_on", [False, True], ids=["serial", "overlap"])
-def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on):
+@pytest.mark.parametrize("overlap_on,backend", [(False, "pieces"), (True, "pieces"), (True, "symm_mem")],
+                         ids=["serial", "overlap-pieces", "overlap-symm_mem"])
+def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on, backend):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    ranks(2).run(train_body, 2, sequence_parallel, 3, 2, overlap_on)
+    ranks(2).run(train_body, 2, sequence_parallel, 3, 2, overlap_on, backend)

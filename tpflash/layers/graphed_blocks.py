@@ -14,8 +14,10 @@ What a replay assumes, checked where it can be:
   backward of the first raises instead of computing wrong gradients;
 - parameters stay where they were (in-place optimizer updates are fine; re-materialising them,
   e.g. FSDP, is not), no dropout (its random stream would not advance), no activation
-  checkpointing, and overlap, if on at capture, in its "pieces" form (the replay pipelines as the
-  capture did, whatever the setting at replay);
+  checkpointing; overlap, if on at capture, is replayed as captured whatever the setting at
+  replay (both backends: "pieces", and "symm_mem", whose workspace the warm-up passes size so that
+  capture allocates nothing); the tp collectives through NCCL (the copy-engine backend keeps its
+  buffer turn on the host, which a replay would not advance);
 - the stack's outputs and gradients live in the graphs' memory: a tensor kept from one replay is
   overwritten by the next. Parameter gradients are the exception made safe: a `.grad` still
   holding graph memory when a forward replays (gradient accumulation) is copied out first, once
@@ -81,7 +83,7 @@ class _EagerGraph:
 
 def check_graphable(blocks: Sequence[nn.Module]) -> None:
     """Raise ValueError naming the first setting of `blocks` that a captured replay would get wrong."""
-    from ..parallel import overlap, peer_collectives
+    from ..parallel import peer_collectives
     for i, block in enumerate(blocks):
         if getattr(block, "dropout", 0.0):
             raise ValueError(f"block {i} has dropout={block.dropout}: CUDA graphs need dropout=0 "
@@ -92,11 +94,9 @@ def check_graphable(blocks: Sequence[nn.Module]) -> None:
     if any(type(p.data) is not torch.Tensor for p in params):
         raise ValueError("the blocks' parameters are not plain tensors (FSDP/DTensor?): CUDA graphs need "
                          "parameters that stay in place")
-    if overlap.overlap_enabled() and overlap.overlap_backend() != "pieces":
-        raise ValueError(f"CUDA graphs take overlap with TPFLASH_OVERLAP_BACKEND=pieces only, got "
-                         f"{overlap.overlap_backend()!r} (its symmetric-memory buffers are not captured)")
     if peer_collectives.comm_backend() != "nccl":
-        raise ValueError(f"CUDA graphs need TPFLASH_COMM_BACKEND=nccl, got {peer_collectives.comm_backend()!r}")
+        raise ValueError(f"CUDA graphs need TPFLASH_COMM_BACKEND=nccl, got {peer_collectives.comm_backend()!r} "
+                         "(its buffer turn lives on the host, and a replay would not advance it)")
 
 
 class GraphedBlocks:
