@@ -125,7 +125,8 @@ def time_steps(loss_fn, step_context, opt, args, ps):
     extra = {"host_ms": 1e3 * statistics.median(host)}
     if args.profile and ps.device.type == "cuda":  # after timing: the profiler's overhead stays out of it
         try:
-            extra.update(profile_exposed_comm(one_step, trace=_trace_path(args, ps), top=args.profile_top))
+            extra.update(profile_exposed_comm(one_step, trace=_trace_path(args, ps), top=args.profile_top,
+                                              ops=args.profile_ops))
         except Exception as exc:  # a profiler problem must not lose the timed row
             extra["note"] = f"profile failed: {_describe(exc)[:60]}"
     if args.cprofile:
@@ -340,6 +341,8 @@ def parse_args(argv=None):
                                                           "communication time and the part no kernel hides")
     p.add_argument("--profile-top", type=int, default=12, metavar="N", help="with --profile: list the N kernels "
                    "that take the most GPU time")
+    p.add_argument("--profile-ops", type=int, default=0, metavar="N", help="with --profile: list the N ops whose "
+                   "kernels take the most GPU time, with their input shapes (eager impls)")
     p.add_argument("--trace-dir", default="", help="with --profile: write each rank's chrome trace here")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="after timing, run one step under cProfile on rank 0 and print its N costliest "

@@ -117,13 +117,28 @@ def host_breakdown(prof, steps: int, top: int = 15) -> dict:
     return {"top_host_ops": per_op[:top], "sync_calls": syncs}
 
 
-def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2, trace: str = "", top: int = 12) -> dict:
+def device_time_by_op(prof, steps: int, top: int = 30) -> list:
+    """(ms per step, calls per step, op, input shapes) of the CPU ops whose own kernels take the most
+    device time: which op launched a kernel (eager steps only: a graph replay is one launch)."""
+    rows = []
+    for evt in prof.key_averages(group_by_input_shape=True):
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(evt, "self_device_time_total", None)
+        us = getattr(evt, "self_cuda_time_total", 0.0) if us is None else us
+        if us > 0:
+            rows.append((us / 1e3 / steps, evt.count // steps, evt.key, str(evt.input_shapes)))
+    return sorted(rows, reverse=True)[:top]
+
+
+def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2, trace: str = "", top: int = 12,
+                         ops: int = 0) -> dict:
     """Profile `steps` calls of run_step on CUDA; {"comm_ms", "exposed_comm_ms", "gpu_active_ms"} per step.
 
     Also prints the GPU time per kernel category, the top kernels, the kernels launched per step,
     and the host's top ops by self time with any blocking CUDA calls: where a step's time goes."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=ops > 0) as prof:
         for _ in range(steps):
             run_step()
         torch.cuda.synchronize()
@@ -143,4 +158,8 @@ def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2, trace: st
     for ms, count, name in host["top_host_ops"]:
         print(f"[profile]   {ms:7.2f} ms {count:6d}x  {name[:100]}", flush=True)
     print(f"[profile] blocking CUDA calls per step: {host['sync_calls'] or 'none'}", flush=True)
+    if ops:
+        print("[profile] ops by the device time of their own kernels, per step (ms, calls, op, input shapes):")
+        for ms, count, op, shapes in device_time_by_op(prof, steps, ops):
+            print(f"[profile]   {ms:7.2f} ms {count:5d}x  {op[:40]:40s} {shapes[:150]}", flush=True)
     return {"comm_ms": comm / 1e3 / steps, "exposed_comm_ms": exposed / 1e3 / steps, "gpu_active_ms": active}
