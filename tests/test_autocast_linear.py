@@ -66,3 +66,91 @@ def test_linear_without_bias_and_frozen_weight():
     w.requires_grad_(False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_add_bias_keeps_a_bf16_output_bf16_and_sums_the_bias_gradient_in_fp32():
+    from tpflash.layers.autocast_linear import add_bias
+    torch.manual_seed(0)
+    y = torch.randn(64, 3, 16).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(16, requires_grad=True)
+    out = add_bias(y, b)
+    assert out.dtype == torch.bfloat16, "an fp32 bias promoted the bf16 activation"
+    assert torch.equal(out, y + b.to(torch.bfloat16))
+    dy = torch.randn(64, 3, 16).to(torch.bfloat16)
+    out.backward(dy)
+    assert torch.equal(y.grad, dy)
+    assert b.grad.dtype == torch.float32
+    assert_rel(b.grad, dy.double().reshape(-1, 16).sum(0), torch.float32, "bias grad")
+
+
+def test_row_parallel_linear_at_tp1_puts_the_bias_in_the_gemm_under_autocast():
+    from tpflash.layers import RowParallelLinear
+    torch.manual_seed(0)
+    layer = RowParallelLinear(32, 24)
+    x = torch.randn(6, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y0 = layer(x), F.linear(x, layer.weight, layer.bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y0)
+
+
+def _stacked_case(bias):
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 32)
+    ws = [(0.2 * torch.randn(n, 32)).requires_grad_() for n in (24, 8, 8)]
+    bs = [torch.randn(n).requires_grad_() if bias else None for n in (24, 8, 8)]
+    dys = [torch.randn(6, 5, n) for n in (24, 8, 8)]
+    return x, ws, bs, dys
+
+
+def _grads(fn, x, ws, bs, dys, autocast):
+    x = x.clone().requires_grad_()
+    for p in ws + [b for b in bs if b is not None]:
+        p.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ys = fn(x, ws, bs)
+    torch.autograd.backward(ys, [dy.to(y.dtype) for y, dy in zip(ys, dys)])
+    return ys, [x.grad] + [p.grad for p in ws + [b for b in bs if b is not None]]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linears_equal_one_linear_per_weight_forward_and_backward(bias):
+    from tpflash.layers.autocast_linear import linears
+    case = _stacked_case(bias)
+    ys, grads = _grads(linears, *case, autocast=False)
+    ys0, grads0 = _grads(lambda x, ws, bs: [F.linear(x, w, b) for w, b in zip(ws, bs)], *case, autocast=False)
+    for y, y0 in zip(ys, ys0):
+        torch.testing.assert_close(y, y0)
+    for g, g0 in zip(grads, grads0):
+        assert g.dtype == g0.dtype
+        torch.testing.assert_close(g, g0)
+
+
+def test_linears_under_autocast_match_linear_per_weight_with_fp32_parameter_grads():
+    from tpflash.layers.autocast_linear import linears
+    case = _stacked_case(True)
+    ys, grads = _grads(linears, *case, autocast=True)
+    ys0, grads0 = _grads(lambda x, ws, bs: [linear(x, w, b) for w, b in zip(ws, bs)], *case, autocast=True)
+    for y, y0 in zip(ys, ys0):
+        assert y.dtype == torch.bfloat16
+        assert_rel(y.float(), y0.float(), torch.bfloat16, "output")
+    for g, g0 in zip(grads, grads0):
+        assert g.dtype == torch.float32 and g0.dtype == torch.float32
+        assert_rel(g, g0, torch.bfloat16, "gradient")
+
+
+def test_linears_leave_an_unused_output_with_zero_weight_gradient():
+    from tpflash.layers.autocast_linear import linears
+    x, ws, bs, _ = _stacked_case(True)
+    q, k, v = linears(x, ws, bs)
+    (q.sum() + v.sum()).backward()
+    assert torch.count_nonzero(ws[1].grad) == 0 and torch.count_nonzero(bs[1].grad) == 0
+    torch.testing.assert_close(bs[0].grad, torch.full((24,), 30.0))
+
+
+def test_linears_without_gradients_do_not_stack_the_weights():
+    from tpflash.layers.autocast_linear import linears
+    x, ws, bs, _ = _stacked_case(True)
+    with torch.no_grad():
+        ys = linears(x, ws, bs)
+    assert all(torch.equal(y, F.linear(x, w, b)) for y, w, b in zip(ys, ws, bs))
+    assert ys[0].is_contiguous(), "inference stacked the weights (outputs are column slices of one product)"

@@ -6,10 +6,15 @@ accumulated: one more pass over every weight gradient, and a rounding to bf16 on
 the weight-gradient GEMM writes fp32 directly (torch.mm's `out_dtype`, CUDA; elsewhere a GEMM and
 a cast) and the bias gradient is summed in fp32. Forward values equal autocast's; gradients equal
 them up to that one rounding. Layers call `linear`, which is F.linear outside autocast.
+
+`linears` does the same for several weights that share one input (q/k/v, up/gate) as one GEMM per
+direction over the weights stacked into one buffer (the cast to bf16 writes them there, so the
+stacking costs no extra pass under autocast). `add_bias` adds a bias after a reduction without
+promoting a bf16 activation to fp32.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +24,8 @@ _MM_OUT_DTYPE = [None]  # whether torch.mm(..., out_dtype=) works here; found on
 
 def _weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """grad_y^T x in fp32: [rows, out]^T [rows, in] -> [out, in]."""
+    if grad_y.dtype == torch.float32:
+        return torch.mm(grad_y.t(), x)
     if _MM_OUT_DTYPE[0] is not False and grad_y.is_cuda:
         try:
             out = torch.mm(grad_y.t(), x, out_dtype=torch.float32)
@@ -31,39 +38,111 @@ def _weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.mm(grad_y.t(), x).float()
 
 
-class _AutocastLinear(torch.autograd.Function):
-    """y = x W^T + b in `dtype`; gradients of W and b in fp32, of x in x's dtype."""
+def _stack(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The tensors concatenated along dim 0 in `dtype`, cast and copied in one pass each."""
+    if len(tensors) == 1:
+        return tensors[0].to(dtype)
+    out = torch.empty((sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:]),
+                      dtype=dtype, device=tensors[0].device)
+    for part, t in zip(out.split([t.shape[0] for t in tensors]), tensors):
+        part.copy_(t)
+    return out
+
+
+class _StackedLinear(torch.autograd.Function):
+    """[x W_i^T + b_i] for n weights sharing the input x, as ONE GEMM per direction over the weights
+    stacked by rows, in `dtype`: x [*, in], W_i [out_i, in] -> (y_1 [*, out_1], ..., y_n) (views of
+    one [*, sum out_i] product). Weight and bias gradients come out in fp32 (then the parameters'
+    dtype), the input gradient in x's dtype. Biases: all present or all None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
-        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
+    def forward(ctx, x, dtype, n, *params):
+        weights, biases = params[:n], params[n:]
+        ctx.x_dtype, ctx.sizes = x.dtype, [w.shape[0] for w in weights]
+        ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         with torch.autocast(x.device.type, enabled=False):
-            x_c, w_c = x.to(dtype), weight.to(dtype)
-            y = F.linear(x_c, w_c, None if bias is None else bias.to(dtype))
+            x_c, w_c = x.to(dtype), _stack(weights, dtype)  # w_c [sum out, in]
+            b_c = None if biases[0] is None else _stack(biases, dtype)
+            y = F.linear(x_c, w_c, b_c)  # [*, sum out]
         ctx.save_for_backward(x_c, w_c)
-        return y
+        return tuple(y.split(ctx.sizes, dim=-1))
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, *grad_ys):
         x_c, w_c = ctx.saved_tensors
-        grad_y = grad_y.to(w_c.dtype)
-        rows = grad_y.reshape(-1, grad_y.shape[-1])  # [tokens, out]
-        grad_x = grad_w = grad_b = None
+        grad_ys = [torch.zeros(x_c.shape[:-1] + (size,), dtype=w_c.dtype, device=w_c.device) if g is None
+                   else g.to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]
+        grad_y = grad_ys[0] if len(grad_ys) == 1 else torch.cat(grad_ys, dim=-1)  # [*, sum out]
+        rows = grad_y.reshape(-1, grad_y.shape[-1])  # [tokens, sum out]
+        n = len(ctx.sizes)
+        grad_x, grads = None, [None] * (2 * n)
         if ctx.needs_input_grad[0]:
             grad_x = (grad_y @ w_c).to(ctx.x_dtype)  # [*, in]
-        if ctx.needs_input_grad[1]:
-            grad_w = _weight_grad_fp32(rows, x_c.reshape(-1, x_c.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = rows.sum(0, dtype=torch.float32)
-        return grad_x, grad_w, grad_b, None
+        if any(ctx.needs_input_grad[3:3 + n]):
+            grads[:n] = _weight_grad_fp32(rows, x_c.reshape(-1, x_c.shape[-1])).split(ctx.sizes)
+        if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:]):
+            grads[n:] = rows.sum(0, dtype=torch.float32).split(ctx.sizes)
+        grads = [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.param_dtypes)]
+        return (grad_x, None, None, *grads)
+
+
+def _compute_dtype(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
+    """The autocast dtype when F.linear would run under autocast with fp32 weights needing gradients
+    (the case where `linear` improves on it), else None."""
+    device = x.device.type
+    if (device in ("cuda", "cpu") and torch.is_autocast_enabled(device) and torch.is_grad_enabled()
+            and x.dtype != torch.float64 and all(w.dtype == torch.float32 and w.requires_grad for w in weights)):
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x [*, in], weight [out, in] -> [*, out]. Under autocast with fp32
     weights that need gradients, the GEMMs run in the autocast dtype as F.linear's would, and the
     weight and bias gradients come out in fp32 without a separate cast (module docstring)."""
-    device = x.device.type
-    if (device in ("cuda", "cpu") and torch.is_autocast_enabled(device) and weight.dtype == torch.float32
-            and weight.requires_grad and torch.is_grad_enabled() and x.dtype != torch.float64):
-        return _AutocastLinear.apply(x, weight, bias, torch.get_autocast_dtype(device))
-    return F.linear(x, weight, bias)
+    dtype = _compute_dtype(x, [weight])
+    if dtype is None:
+        return F.linear(x, weight, bias)
+    return _StackedLinear.apply(x, dtype, 1, weight, bias)[0]
+
+
+def linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
+            biases: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """[F.linear(x, W_i, b_i)] for weights sharing the input x (q/k/v, up/gate): x [*, in],
+    W_i [out_i, in] -> [*, out_i] each. While gradients are on, the weights are stacked (cast into
+    one buffer) and multiplied in one GEMM per direction: one wider GEMM runs closer to peak than n
+    narrow ones, and x's gradient comes out of one GEMM instead of n GEMMs and n-1 additions.
+    Without gradients (inference) the n GEMMs run as they are, and no weights are copied."""
+    if len(weights) == 1:
+        return [linear(x, weights[0], biases[0])]
+    if not torch.is_grad_enabled() or (biases[0] is None) != all(b is None for b in biases):
+        return [linear(x, w, b) for w, b in zip(weights, biases)]
+    dtype = _compute_dtype(x, weights) or x.dtype
+    return list(_StackedLinear.apply(x, dtype, len(weights), *weights, *biases))
+
+
+class _AddBias(torch.autograd.Function):
+    """y + bias in y's dtype; the bias gradient summed over all rows in fp32, in the bias's dtype."""
+
+    @staticmethod
+    def forward(ctx, y, bias):
+        ctx.bias_dtype = bias.dtype
+        return y + bias.to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad, grad_bias
+
+
+def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y [*, out] + bias [out], keeping y's dtype: under autocast a bf16 GEMM output plus an fp32 bias
+    stays bf16 (as F.linear's bias epilogue would give) instead of promoting the activation to fp32,
+    which would double the bytes of this pass and of everything downstream of it. The bias gradient
+    is accumulated in fp32. For biases added after a reduction (RowParallelLinear)."""
+    if bias is None:
+        return y
+    if bias.dtype == y.dtype or not (y.is_floating_point() and torch.is_grad_enabled() and bias.requires_grad):
+        return y + bias.to(y.dtype)
+    return _AddBias.apply(y, bias)
+

@@ -24,7 +24,7 @@ import torch.nn as nn
 from ..parallel import comm, overlap as _overlap
 from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_tp_group
-from .autocast_linear import linear
+from .autocast_linear import add_bias, linear, linears
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -76,7 +76,7 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     if _overlap_applies(sequence_parallel, seq_dim, group, overlap):
         return list(_overlap.all_gather_linear(x, weights, biases, group, save_gathered_input))
     x = column_parallel_input(x, group, sequence_parallel, seq_dim)  # [seq, *, in]
-    return [linear(x, w, b) for w, b in zip(weights, biases)]
+    return linears(x, weights, biases)  # one GEMM over the stacked weights
 
 
 def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool, seq_dim: int = 0) -> torch.Tensor:
@@ -140,7 +140,7 @@ class RowParallelLinear(nn.Module):
     Input: [*, in_features/tp] (input_is_parallel, e.g. a ColumnParallelLinear's output) or
     [*, in_features] replicated (split here). Output: [*, out_features] summed over tp, or, with
     sequence_parallel, reduce-scattered along `seq_dim` to [seq/tp, *, out_features].
-    The bias is replicated and added after the reduction.
+    The bias is replicated and added after the reduction (at tp=1, inside the GEMM).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
@@ -167,6 +167,8 @@ class RowParallelLinear(nn.Module):
         if _pipelined(self):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
             y = _overlap.linear_reduce_scatter(x, self.weight, self.process_group)  # [seq/tp, *, out]
             return self.add_bias(y)
+        if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue
+            return linear(x, self.weight, self.bias)
         return self.reduce_partial_sum(linear(x, self.weight))
 
     def reduce_partial_sum(self, y: torch.Tensor) -> torch.Tensor:
@@ -180,11 +182,12 @@ class RowParallelLinear(nn.Module):
         return self.add_bias(y)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
-        """y + bias for the reduced output y; under SP the bias gradient is summed over tp."""
+        """y + bias for the reduced output y, in y's dtype (an fp32 bias does not promote a bf16 output
+        under autocast); under SP the bias gradient is summed over tp."""
         bias = self.bias
         if bias is not None and self.sequence_parallel:  # each rank's tokens give a partial bias grad
             bias = comm.copy_to_tp_region(bias, self.process_group)
-        return y if bias is None else y + bias
+        return add_bias(y, bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
