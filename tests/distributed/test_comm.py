@@ -109,6 +109,31 @@ def test_copy_reduce_split_gather_are_each_others_duals(ranks, tp):
     ranks(tp).run(copy_reduce_split_gather_body, tp)
 
 
+def copy_many_body(tp):
+    """copy_to_tp_region_many: identity forward; each gradient summed over ranks, by one all-reduce."""
+    ps = init_tp(tp)
+    dtype = work_dtype(ps.device)
+    w, b = _per_rank(ps, dtype, 5, 3)[0], _per_rank(ps, dtype, 7)[0]
+    grads_w, grads_b = _per_rank(ps, dtype, 5, 3)[1], _per_rank(ps, dtype, 7)[1]
+    calls = []
+    real_all_reduce = comm.all_reduce
+    comm.all_reduce = lambda x, group: calls.append(tuple(x.shape)) or real_all_reduce(x, group)
+    try:
+        w2, b2 = comm.copy_to_tp_region_many([w, b], ps.tp_group)
+        assert torch.equal(w2, w) and torch.equal(b2, b)
+        torch.autograd.backward([w2, b2], [grads_w[ps.tp_rank], grads_b[ps.tp_rank]])
+    finally:
+        comm.all_reduce = real_all_reduce
+    assert calls == [(5 * 3 + 7,)], f"expected one all-reduce of 22 elements, got {calls}"
+    assert_close(w.grad, sum(grads_w), "first gradient summed over ranks")
+    assert_close(b.grad, sum(grads_b), "second gradient summed over ranks")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_copy_to_tp_region_many_sums_every_gradient_in_one_all_reduce(ranks, tp):
+    ranks(tp).run(copy_many_body, tp)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_async_collectives_return_what_the_blocking_ones_do(ranks, tp):
     ranks(tp).run(async_equals_sync_body, tp)

@@ -70,8 +70,11 @@ class KVLinear(nn.Module):
         weights pass through copy_to_tp_region so their gradient is summed over the replicas."""
         weight, bias = self.weight, self.bias
         if self.replicated:
-            weight = comm.copy_to_tp_region(weight, self.process_group)[self.rows]
-            bias = None if bias is None else comm.copy_to_tp_region(bias, self.process_group)[self.rows]
+            if bias is None:
+                weight = comm.copy_to_tp_region(weight, self.process_group)[self.rows]
+            else:
+                weight, bias = comm.copy_to_tp_region_many([weight, bias], self.process_group)
+                weight, bias = weight[self.rows], bias[self.rows]
         return weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

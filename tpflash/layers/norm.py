@@ -46,19 +46,24 @@ class ParallelNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
 
-    def _param(self, p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if p is None or not self.sequence_parallel:
-            return p
-        return comm.copy_to_tp_region(p, self.process_group)  # sums the per-token-shard gradients
+    def _params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(weight, bias) as the kernel uses them: under SP through one copy_to_tp_region_many, which sums
+        the per-token-shard gradients of both in one all-reduce."""
+        if not self.sequence_parallel:
+            return self.weight, self.bias
+        if self.bias is None:
+            return comm.copy_to_tp_region(self.weight, self.process_group), None
+        weight, bias = comm.copy_to_tp_region_many([self.weight, self.bias], self.process_group)
+        return weight, bias
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        weight = self._param(self.weight)
+        weight, bias = self._params()
         out_dtype = None
         if self.autocast_output and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
             out_dtype = torch.get_autocast_dtype(x.device.type)
         if self.kind == "layernorm":
-            return kernels.layer_norm(x, weight, self._param(self.bias), self.eps, residual, out_dtype)
+            return kernels.layer_norm(x, weight, bias, self.eps, residual, out_dtype)
         return kernels.rms_norm(x, weight, self.eps, residual, out_dtype)
 
     def extra_repr(self) -> str:

@@ -4,7 +4,7 @@ Every function takes the group explicitly; `group=None` (or a group of one) make
 identity, so layers built on these also run in a plain single-process script.
 
 Forward / backward pairs (the duals of each other):
-    copy_to_tp_region        identity        / all-reduce
+    copy_to_tp_region        identity        / all-reduce   (copy_to_tp_region_many: one for several)
     reduce_from_tp_region    all-reduce      / identity
     split_along_dim          keep own chunk  / all-gather
     gather_along_dim         all-gather      / keep own chunk
@@ -18,7 +18,7 @@ memory instead (tpflash.parallel.peer_collectives; issued in stream order, so al
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -155,6 +155,21 @@ class _CopyToRegion(torch.autograd.Function):
         return all_reduce(grad, ctx.group), None
 
 
+class _CopyManyToRegion(torch.autograd.Function):
+    """_CopyToRegion for several tensors of one dtype: their gradients are all-reduced as one flat buffer."""
+
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return xs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        sums = all_reduce(flat, ctx.group).split([g.numel() for g in grads])
+        return (None, *(s.view_as(g) for s, g in zip(sums, grads)))
+
+
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -204,6 +219,17 @@ class _AllGatherReduceScatter(torch.autograd.Function):
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (input of a column-parallel layer)."""
     return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def copy_to_tp_region_many(xs: Sequence[torch.Tensor], group: ProcessGroup) -> Tuple[torch.Tensor, ...]:
+    """copy_to_tp_region of each tensor, with all their gradients summed in ONE all-reduce (a norm's
+    weight and bias under SP: the collective's latency, not its bytes, is its cost). Tensors of
+    different dtypes fall back to one all-reduce each."""
+    if group_size(group) == 1:
+        return tuple(xs)
+    if len({x.dtype for x in xs}) > 1:
+        return tuple(copy_to_tp_region(x, group) for x in xs)
+    return _CopyManyToRegion.apply(group, *xs)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
