@@ -5,11 +5,8 @@
 #   bench_e2e at tp=2 with TPFLASH_COMM_BACKEND=nccl and =copy_engine, and tpflash at tp=1.
 #   OUT=<dir> bash scripts/gpu_comm.sh [models]
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 MODELS=${1:-gpt-1.3b,gpt-2.7b}
-RUN="python3 -m torch.distributed.run --standalone"
 E2E="scripts/bench_e2e.py --steps ${STEPS:-6} --warmup 2 --no-comm-probe --results $OUT/bench_e2e.jsonl --models $MODELS"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv; git log -1 --format='commit %H'; } > "$OUT/device.txt" 2>&1
 timeout 150 python3 -m pytest tests/distributed/test_comm.py -q -p no:cacheprovider -rfEs 2>&1 | tail -8

@@ -11,11 +11,8 @@
 #                                             off for 100 steps, and on, stopped at 60 and resumed to 100
 # Rows go to $OUT/bench_e2e.jsonl; `python3 scripts/bench_e2e.py --table-only --results FILE` prints them.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
-export PYTHONUNBUFFERED=1 TPFLASH_TEST_TIMEOUT=60
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
-RUN="python3 -m torch.distributed.run --standalone"
+source "$(dirname "$0")/gpu_env.sh"
+export TPFLASH_TEST_TIMEOUT=60
 E2E="scripts/bench_e2e.py --steps ${STEPS:-5} --warmup 2 --no-comm-probe --results $OUT/bench_e2e.jsonl"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv; git log -1 --format='commit %H'; } > "$OUT/device.txt" 2>&1
 case "${1:-check}" in

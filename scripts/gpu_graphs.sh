@@ -3,11 +3,8 @@
 # off and on), then tpflash-graphs with overlap off and on (pipelined inside the graphs) at tp=2.
 #   OUT=<dir> bash scripts/gpu_graphs.sh [models]
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 MODELS=${1:-gpt-1.3b,gpt-2.7b}
-RUN="python3 -m torch.distributed.run --standalone"
 E2E="scripts/bench_e2e.py --steps 5 --warmup 2 --no-comm-probe --results $OUT/graphs.jsonl"
 timeout 150 python3 -m pytest -q -m gpu tests/distributed/test_graphed_blocks.py -rfE -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
 timeout 200 $RUN --nproc_per_node=2 $E2E --tp 2 --models $MODELS --impls tpflash-graphs,tpflash-graphs-overlap \

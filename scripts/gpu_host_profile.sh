@@ -4,11 +4,8 @@
 # functions of one step) and a chrome trace per rank read by scripts/trace_lag.py (launch lag, idle GPU).
 #   OUT=<dir> bash scripts/gpu_host_profile.sh [model] [impl]
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 MODEL=${1:-gpt-1.3b}; IMPL=${2:-tpflash-nooverlap}
-RUN="python3 -m torch.distributed.run --standalone"
 E2E="scripts/bench_e2e.py --steps 4 --warmup 2 --no-comm-probe --results $OUT/bench_e2e.jsonl --models $MODEL --profile --cprofile 30"
 for TP in 2 1; do
   impl=$IMPL; [ "$TP" = 1 ] && impl=tpflash

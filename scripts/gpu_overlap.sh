@@ -7,11 +7,8 @@
 #                                                 k=2 with CUDA_DEVICE_MAX_CONNECTIONS=1, DTensor compiled
 # Both append to $OUT/bench_e2e.jsonl; `python3 scripts/bench_e2e.py --table-only --results FILE` prints it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD
-export PYTHONUNBUFFERED=1 TPFLASH_TEST_TIMEOUT=60
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
-RUN="python3 -m torch.distributed.run --standalone"
+source "$(dirname "$0")/gpu_env.sh"
+export TPFLASH_TEST_TIMEOUT=60
 E2E="scripts/bench_e2e.py --steps ${STEPS:-6} --warmup 2 --results $OUT/bench_e2e.jsonl --no-comm-probe"
 case "${1:-check}" in
   check)

@@ -5,10 +5,7 @@
 # tpflash-graphs and plain-compile, the top kernels), and the graphed-GPT gpu tests.
 #   OUT=<dir> bash scripts/gpu_overlap_graphs.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
-RUN="python3 -m torch.distributed.run --standalone"
+source "$(dirname "$0")/gpu_env.sh"
 E2E="scripts/bench_e2e.py --steps 5 --warmup 2 --no-comm-probe"
 MODEL=${MODEL:-gpt-2.7b}
 rows() { grep "bench_e2e\]   \|Error\|error" | grep -v "^\[rank" | cut -c1-250 | sed "s/^/$1: /"; }

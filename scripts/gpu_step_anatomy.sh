@@ -4,10 +4,7 @@
 # tp=2, graphed with serial collectives and with the symm_mem overlap backend (top kernels).
 #   OUT=<dir> bash scripts/gpu_step_anatomy.sh      (full listings in $OUT/*.txt)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
-RUN="python3 -m torch.distributed.run --standalone"
+source "$(dirname "$0")/gpu_env.sh"
 E2E="scripts/bench_e2e.py --steps 3 --warmup 2 --no-comm-probe --profile --profile-top 60 --results $OUT/rows.jsonl"
 timeout 150 $RUN --nproc_per_node=1 $E2E --tp 1 --models gpt-1.3b --impls tpflash --profile-ops 60 > "$OUT/tp1_ops.txt" 2>&1
 timeout 150 $RUN --nproc_per_node=2 $E2E --tp 2 --models gpt-2.7b --impls tpflash-graphs > "$OUT/tp2_serial.txt" 2>&1
