@@ -2,6 +2,7 @@
 GPT run eagerly: losses and gradients over AdamW steps, with and without sequence parallelism, at
 tp 2 and 4, gradient accumulation included. On CPU the graphs are the eager stand-in (every line
 of the replay plumbing runs under gloo); the gpu tests capture real CUDA graphs (NCCL inside)."""
+import contextlib
 import os
 
 import pytest
@@ -40,20 +41,29 @@ def amp(device):
     return torch.autocast("cpu", enabled=False)
 
 
-def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, overlap_backend="pieces"):
+@contextlib.contextmanager
+def _environment(**settings):
+    """This rank process's environment with `settings`, restored afterwards (rank processes are reused)."""
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key)
+            if value is not None:
+                os.environ[key] = value
+
+
+def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, overlap_backend="pieces",
+               comm_backend="nccl"):
     """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager (both with
-    the collectives pipelined when `overlap_on`, by `overlap_backend`)."""
+    the collectives pipelined when `overlap_on`, by `overlap_backend`; serial ones by `comm_backend`)."""
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel), device)
-    saved = os.environ.get("TPFLASH_OVERLAP_BACKEND")
-    os.environ["TPFLASH_OVERLAP_BACKEND"] = overlap_backend  # this rank process's; restored below
-    try:
-        with overlap.overlap_comm(overlap_on):
-            _train(graphed, eager, device, steps, micro_batches)
-    finally:
-        os.environ.pop("TPFLASH_OVERLAP_BACKEND")
-        if saved is not None:
-            os.environ["TPFLASH_OVERLAP_BACKEND"] = saved
+    with _environment(TPFLASH_OVERLAP_BACKEND=overlap_backend, TPFLASH_COMM_BACKEND=comm_backend), \
+            overlap.overlap_comm(overlap_on):
+        _train(graphed, eager, device, steps, micro_batches)
 
 
 def _train(graphed, eager, device, steps, micro_batches):
@@ -168,12 +178,6 @@ def test_capture_rejects_parameters_that_are_not_plain_tensors():
         model.capture_cuda_graphs(BATCH, SEQ)
 
 
-def test_capture_rejects_the_copy_engine_comm_backend(monkeypatch):
-    monkeypatch.setenv("TPFLASH_COMM_BACKEND", "copy_engine")
-    with pytest.raises(ValueError, match="TPFLASH_COMM_BACKEND=nccl"):
-        GPT(config(False)).capture_cuda_graphs(BATCH, SEQ)
-
-
 def test_capture_checks_the_sequence_length():
     with pytest.raises(ValueError, match="exceeds block_size=16"):
         GPT(config(False)).capture_cuda_graphs(BATCH, 32)
@@ -186,9 +190,12 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("overlap_on,backend", [(False, "pieces"), (True, "pieces"), (True, "symm_mem")],
-                         ids=["serial", "overlap-pieces", "overlap-symm_mem"])
-def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on, backend):
+@pytest.mark.parametrize("overlap_on,backend,comm_backend",
+                         [(False, "pieces", "nccl"), (True, "pieces", "nccl"), (True, "symm_mem", "nccl"),
+                          (False, "pieces", "copy_engine")],
+                         ids=["serial", "overlap-pieces", "overlap-symm_mem", "serial-copy_engine"])
+def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on, backend,
+                                                              comm_backend):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    ranks(2).run(train_body, 2, sequence_parallel, 3, 2, overlap_on, backend)
+    ranks(2).run(train_body, 2, sequence_parallel, 3, 2, overlap_on, backend, comm_backend)

@@ -16,8 +16,8 @@ What a replay assumes, checked where it can be:
   e.g. FSDP, is not), no dropout (its random stream would not advance), no activation
   checkpointing; overlap, if on at capture, is replayed as captured whatever the setting at
   replay (both backends: "pieces", and "symm_mem", whose workspace the warm-up passes size so that
-  capture allocates nothing); the tp collectives through NCCL (the copy-engine backend keeps its
-  buffer turn on the host, which a replay would not advance);
+  capture allocates nothing); the same holds for the copy-engine comm backend
+  (TPFLASH_COMM_BACKEND=copy_engine), whose calls keep no state on the host between them;
 - the stack's outputs and gradients live in the graphs' memory: a tensor kept from one replay is
   overwritten by the next. Parameter gradients are the exception made safe: a `.grad` still
   holding graph memory when a forward replays (gradient accumulation) is copied out first, once
@@ -83,7 +83,6 @@ class _EagerGraph:
 
 def check_graphable(blocks: Sequence[nn.Module]) -> None:
     """Raise ValueError naming the first setting of `blocks` that a captured replay would get wrong."""
-    from ..parallel import peer_collectives
     for i, block in enumerate(blocks):
         if getattr(block, "dropout", 0.0):
             raise ValueError(f"block {i} has dropout={block.dropout}: CUDA graphs need dropout=0 "
@@ -94,9 +93,6 @@ def check_graphable(blocks: Sequence[nn.Module]) -> None:
     if any(type(p.data) is not torch.Tensor for p in params):
         raise ValueError("the blocks' parameters are not plain tensors (FSDP/DTensor?): CUDA graphs need "
                          "parameters that stay in place")
-    if peer_collectives.comm_backend() != "nccl":
-        raise ValueError(f"CUDA graphs need TPFLASH_COMM_BACKEND=nccl, got {peer_collectives.comm_backend()!r} "
-                         "(its buffer turn lives on the host, and a replay would not advance it)")
 
 
 class GraphedBlocks:

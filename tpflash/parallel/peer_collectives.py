@@ -5,15 +5,18 @@ NCCL's kernels move data with SMs, and on 2 H200s they reach about half the link
 maps its peers' symmetric-memory buffers (torch.distributed._symmetric_memory) and the transfers
 are plain `copy_`s between device pointers, which the copy engines carry without SMs:
 
-  all_gather(x)       write x into my buffer; barrier; copy every peer's buffer into the output
+  all_gather(x)       write x into my buffer; barrier; copy every peer's buffer into the output; barrier
   reduce_scatter(x)   write x's chunk r into peer r's buffer (at my slot); barrier; sum my buffer's
-                      world slots (one small SM kernel; fp32 accumulation for world > 2)
+                      world slots (one small SM kernel; fp32 accumulation for world > 2); barrier
 
-Synchronisation: each call uses one of two buffers in turn and one device-side barrier (a tiny
-kernel on the current stream). A buffer is written again two calls later, when every peer has
-passed the barrier of the call in between and so finished reading it, provided all calls on a
-group are issued on one stream in the same order on every rank, which holds for the layers'
-collectives. Process group: the one given (CUDA tensors, world > 1).
+Synchronisation: one buffer per group and device, and two device-side barriers per call (tiny
+kernels on the current stream): the first says every rank has written, the last that every rank
+has finished reading, so the next call may write again. No state lives on the host between calls,
+which is what lets a CUDA graph capture these calls and replay them in any interleaving with eager
+ones (an earlier version alternated two buffers with one barrier per call; the alternation was host
+state that a replay would not advance). Calls on a group must be issued in the same order on every
+rank, on one stream, which holds for the layers' collectives. Process group: the one given (CUDA
+tensors, world > 1).
 """
 from __future__ import annotations
 
@@ -47,24 +50,22 @@ def available(x: torch.Tensor, group) -> bool:
 
 
 class _Workspace:
-    """Two equal symmetric buffers of one group on one device, and whose turn it is."""
+    """One symmetric buffer of a group on one device, mapped by every rank of the group."""
 
-    def __init__(self, group, device: torch.device, slot_bytes: int):
+    def __init__(self, group, device: torch.device, nbytes: int):
         from torch.distributed import _symmetric_memory as symm
         from .symm_overlap import _group_name
-        self.slot_bytes = slot_bytes
-        self.tensor = symm.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
+        self.nbytes = nbytes
+        self.tensor = symm.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm.rendezvous(self.tensor, _group_name(group))  # collective: every rank at once
-        self.turn = 0
-
-    def next_slot(self) -> int:
-        """Byte offset of the buffer this call uses."""
-        self.turn ^= 1
-        return self.turn * self.slot_bytes
 
     def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """rank's buffer, from byte offset_bytes, as a [shape] tensor of dtype (a peer's: mapped memory)."""
         return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // dtype.itemsize)
+
+    def barrier(self) -> None:
+        """Every rank's stream reaches this point before any goes on (a kernel; capturable)."""
+        self.handle.barrier(channel=0)
 
 
 _workspaces: Dict[tuple, _Workspace] = {}
@@ -74,11 +75,15 @@ _retired: List[_Workspace] = []  # outgrown buffers stay mapped: work already qu
 def _workspace(group, device: torch.device, nbytes: int) -> _Workspace:
     key = (id(group), device)
     ws = _workspaces.get(key)
-    if ws is None or ws.slot_bytes < nbytes:
+    if ws is None or ws.nbytes < nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"copy-engine collectives need a {nbytes}-byte buffer during CUDA graph capture, "
+                               f"but only {ws.nbytes if ws else 0} bytes were set up before it: run the "
+                               "captured work once eagerly first (GraphedBlocks' warm-up does)")
         # every rank asks for the same sizes in the same order, so all grow here together
         if ws is not None:
             _retired.append(ws)
-        size = max(nbytes, 2 * (ws.slot_bytes if ws else 0))
+        size = max(nbytes, 2 * (ws.nbytes if ws else 0))
         ws = _workspaces[key] = _Workspace(group, device, -(-size // _ALIGN) * _ALIGN)
     return ws
 
@@ -88,14 +93,14 @@ def all_gather(x: torch.Tensor, group) -> torch.Tensor:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     x = x.contiguous()
     ws = _workspace(group, x.device, x.numel() * x.element_size())
-    slot = ws.next_slot()
-    ws.view(rank, slot, x.shape, x.dtype).copy_(x)
-    ws.handle.barrier(channel=0)
+    ws.view(rank, 0, x.shape, x.dtype).copy_(x)
+    ws.barrier()  # every rank's part is written
     out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
     parts = out.chunk(world)
     for step in range(world):  # start with the next rank so that peers do not all read one buffer
         r = (rank + step) % world
-        parts[r].copy_(x if r == rank else ws.view(r, slot, x.shape, x.dtype))
+        parts[r].copy_(x if r == rank else ws.view(r, 0, x.shape, x.dtype))
+    ws.barrier()  # every rank has read: the buffers may be written again
     return out
 
 
@@ -110,15 +115,17 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     chunk_bytes = chunks[0].numel() * x.element_size()
     stride = -(-chunk_bytes // _ALIGN) * _ALIGN
     ws = _workspace(group, x.device, world * stride)
-    slot = ws.next_slot()
     for step in range(1, world):  # push into peer r's buffer, at my position
         r = (rank + step) % world
-        ws.view(r, slot + rank * stride, chunks[r].shape, x.dtype).copy_(chunks[r])
-    ws.handle.barrier(channel=0)
-    received = [ws.view(rank, slot + r * stride, chunks[r].shape, x.dtype) for r in range(world) if r != rank]
+        ws.view(r, rank * stride, chunks[r].shape, x.dtype).copy_(chunks[r])
+    ws.barrier()  # every rank's chunks have arrived
+    received = [ws.view(rank, r * stride, chunks[r].shape, x.dtype) for r in range(world) if r != rank]
     if world == 2:
-        return torch.add(chunks[rank], received[0])
-    total = chunks[rank].float()
-    for part in received:
-        total += part
-    return total.to(x.dtype)
+        out = torch.add(chunks[rank], received[0])
+    else:
+        total = chunks[rank].float()
+        for part in received:
+            total += part
+        out = total.to(x.dtype)
+    ws.barrier()  # every rank has summed its slots: the buffers may be written again
+    return out
