@@ -1,4 +1,6 @@
 """The collectives of tpflash.parallel.comm: values and gradients against what they mean, tp in {2, 4}."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -194,6 +196,32 @@ def test_unknown_comm_backend_raises(monkeypatch):
     monkeypatch.setenv("TPFLASH_COMM_BACKEND", "mpi")
     with pytest.raises(ValueError, match="TPFLASH_COMM_BACKEND='mpi' must be one of"):
         peer_collectives.comm_backend()
+
+
+@pytest.mark.parametrize("backend,for_graphs,peers,expected", [
+    ("auto", False, True, False),         # eager work: NCCL
+    ("auto", True, True, True),           # work CUDA graphs capture, GPUs that map each other: copy engines
+    ("auto", True, False, False),         # ... GPUs that cannot: NCCL
+    ("nccl", True, True, False),
+    ("copy_engine", False, True, True),
+])
+def test_the_comm_backend_picks_copy_engines_by_setting_capture_and_peer_access(monkeypatch, backend, for_graphs,
+                                                                               peers, expected):
+    from tpflash.parallel import peer_collectives
+    monkeypatch.setenv("TPFLASH_COMM_BACKEND", backend)
+    monkeypatch.setattr(peer_collectives, "available", lambda x, group: True)
+    monkeypatch.setattr(peer_collectives, "peer_access", lambda group: peers)
+    with peer_collectives.for_graph_capture() if for_graphs else contextlib.nullcontext():
+        assert peer_collectives.use_copy_engine(torch.ones(2), object()) is expected
+
+
+def test_peer_access_needs_one_host_distinct_devices_and_cuda_peer_access():
+    from tpflash.parallel.peer_collectives import can_map_peers
+    everyone = lambda a, b: True  # noqa: E731
+    assert can_map_peers([("h", 0), ("h", 1)], 0, everyone)
+    assert not can_map_peers([("h", 0), ("h", 0)], 0, everyone), "one device index per process cannot be checked"
+    assert not can_map_peers([("h", 0), ("g", 1)], 0, everyone), "two hosts"
+    assert not can_map_peers([("h", 0), ("h", 1)], 0, lambda a, b: False), "no peer access"
 
 
 def copy_engine_on_cpu_body(tp):

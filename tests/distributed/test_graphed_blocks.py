@@ -10,7 +10,7 @@ import torch
 
 from tests.distributed.checks import assert_close, init_tp
 from tpflash.models import GPT, GPTConfig
-from tpflash.parallel import overlap
+from tpflash.parallel import overlap, peer_collectives
 
 VOCAB, SEQ, BATCH = 101, 8, 2
 
@@ -56,14 +56,25 @@ def _environment(**settings):
 
 
 def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, overlap_backend="pieces",
-               comm_backend="nccl"):
+               comm_backend="auto"):
     """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager (both with
     the collectives pipelined when `overlap_on`, by `overlap_backend`; serial ones by `comm_backend`)."""
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel), device)
-    with _environment(TPFLASH_OVERLAP_BACKEND=overlap_backend, TPFLASH_COMM_BACKEND=comm_backend), \
-            overlap.overlap_comm(overlap_on):
-        _train(graphed, eager, device, steps, micro_batches)
+    calls = []  # all-gathers through the copy engines (tpflash.parallel.peer_collectives)
+    real_all_gather = peer_collectives.all_gather
+    peer_collectives.all_gather = lambda x, group: calls.append(1) or real_all_gather(x, group)
+    try:
+        with _environment(TPFLASH_OVERLAP_BACKEND=overlap_backend, TPFLASH_COMM_BACKEND=comm_backend), \
+                overlap.overlap_comm(overlap_on):
+            _train(graphed, eager, device, steps, micro_batches)
+    finally:
+        peer_collectives.all_gather = real_all_gather
+    if device.type == "cuda" and tp > 1 and sequence_parallel and not overlap_on and comm_backend != "nccl":
+        # the default sends captured collectives through the copy engines on GPUs with peer access (test machines)
+        assert calls, f"TPFLASH_COMM_BACKEND={comm_backend}: the captured all-gathers did not use the copy engines"
+    if comm_backend == "nccl":
+        assert not calls, "TPFLASH_COMM_BACKEND=nccl used the copy engines"
 
 
 def _train(graphed, eager, device, steps, micro_batches):
@@ -191,9 +202,10 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("overlap_on,backend,comm_backend",
-                         [(False, "pieces", "nccl"), (True, "pieces", "nccl"), (True, "symm_mem", "nccl"),
-                          (False, "pieces", "copy_engine")],
-                         ids=["serial", "overlap-pieces", "overlap-symm_mem", "serial-copy_engine"])
+                         [(False, "pieces", "auto"), (False, "pieces", "nccl"), (False, "pieces", "copy_engine"),
+                          (True, "pieces", "auto"), (True, "symm_mem", "auto")],
+                         ids=["serial-default", "serial-nccl", "serial-copy_engine", "overlap-pieces",
+                              "overlap-symm_mem"])
 def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on, backend,
                                                               comm_backend):
     if torch.cuda.device_count() < 2:

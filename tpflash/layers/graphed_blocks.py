@@ -16,8 +16,9 @@ What a replay assumes, checked where it can be:
   e.g. FSDP, is not), no dropout (its random stream would not advance), no activation
   checkpointing; overlap, if on at capture, is replayed as captured whatever the setting at
   replay (both backends: "pieces", and "symm_mem", whose workspace the warm-up passes size so that
-  capture allocates nothing); the same holds for the copy-engine comm backend
-  (TPFLASH_COMM_BACKEND=copy_engine), whose calls keep no state on the host between them;
+  capture allocates nothing); the serial tp collectives are captured through the copy engines
+  where the GPUs can map each other's memory (TPFLASH_COMM_BACKEND's default, "auto": measured
+  faster than NCCL there), else through NCCL;
 - the stack's outputs and gradients live in the graphs' memory: a tensor kept from one replay is
   overwritten by the next. Parameter gradients are the exception made safe: a `.grad` still
   holding graph memory when a forward replays (gradient accumulation) is copied out first, once
@@ -33,6 +34,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+
+from ..parallel import peer_collectives
 
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
 
@@ -122,6 +125,15 @@ class GraphedBlocks:
         self.input_grads: Tuple[Optional[torch.Tensor], ...] = ()
         self.forward_generation = 0  # bumped by every forward replay; a backward must match it
         self.backward_generation = 0
+        with peer_collectives.for_graph_capture():  # the default comm backend's choice for captured work
+            self._capture(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            # The captured autograd graph is spent (its replays need only the static tensors), and
+            # holding it would keep the parameters' AccumulateGrad nodes on the capture stream.
+            self.outputs = tuple(o.detach() for o in self.outputs)
+
+    def _capture(self, device: torch.device) -> None:
         if device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()
             self.fwd_graph, self.bwd_graph = _CudaGraph(pool), _CudaGraph(pool)
@@ -133,11 +145,6 @@ class GraphedBlocks:
             self.fwd_graph.capture(self._forward)
             self.static_grad_out = tuple(torch.empty_like(o) for o in self.outputs)
             self.bwd_graph.capture(self._backward)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            # The captured autograd graph is spent (its replays need only the static tensors), and
-            # holding it would keep the parameters' AccumulateGrad nodes on the capture stream.
-            self.outputs = tuple(o.detach() for o in self.outputs)
 
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -12,9 +12,9 @@ Forward / backward pairs (the duals of each other):
     reduce_scatter_along_seq reduce-scatter  / all-gather       (sequence parallelism)
 
 `*_async` functions are the raw (non-autograd) primitives returning a `PendingCollective`
-handle; the overlap code builds its own autograd functions from them. With
-TPFLASH_COMM_BACKEND=copy_engine, all-gathers and reduce-scatters of CUDA tensors go through peer
-memory instead (tpflash.parallel.peer_collectives; issued in stream order, so already "done").
+handle; the overlap code builds its own autograd functions from them. All-gathers and
+reduce-scatters of CUDA tensors may go through peer memory instead (tpflash.parallel.peer_collectives,
+TPFLASH_COMM_BACKEND: by default inside CUDA-graph capture; issued in stream order, so already "done").
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _issue_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group) -> dist.Wor
 
 
 def _through_peers(x: torch.Tensor, group: ProcessGroup) -> bool:
-    return peer_collectives.comm_backend() == "copy_engine" and peer_collectives.available(x, group)
+    return peer_collectives.use_copy_engine(x, group)
 
 
 def all_reduce_async(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:

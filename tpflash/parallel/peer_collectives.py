@@ -20,22 +20,28 @@ tensors, world > 1).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
-from typing import Dict, List
+import socket
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 _ENV = "TPFLASH_COMM_BACKEND"
-BACKENDS = ("nccl", "copy_engine")
+BACKENDS = ("auto", "nccl", "copy_engine")
 _ALIGN = 512  # bytes; keeps every slot aligned for vectorised copies
+_for_graphs = [False]  # inside for_graph_capture()
+_peer_access: Dict[int, bool] = {}  # id(group) -> the group's agreed verdict
 
 
 def comm_backend() -> str:
-    """How the tp collectives move data (TPFLASH_COMM_BACKEND): "nccl" (default: the process group's
-    own collectives, any backend) or "copy_engine" (this module, for CUDA groups)."""
-    backend = os.environ.get(_ENV, "nccl").strip().lower()
+    """How the tp collectives move data (TPFLASH_COMM_BACKEND): "auto" (default): this module for the
+    work CUDA graphs capture (`for_graph_capture`) when every GPU of the group can map its peers'
+    memory, where it measured faster than NCCL, and the group's own collectives elsewhere; "nccl":
+    always the group's collectives (any backend); "copy_engine": this module for every CUDA group."""
+    backend = os.environ.get(_ENV, "auto").strip().lower()
     if backend not in BACKENDS:
         raise ValueError(f"{_ENV}={backend!r} must be one of {BACKENDS}")
     return backend
@@ -47,6 +53,55 @@ def available(x: torch.Tensor, group) -> bool:
     if group is None or not x.is_cuda or dist.get_world_size(group) == 1:
         return False
     return importlib.util.find_spec("torch.distributed._symmetric_memory") is not None
+
+
+@contextlib.contextmanager
+def for_graph_capture():
+    """Marks work that a CUDA graph will capture (GraphedBlocks' warm-up and capture): the "auto"
+    backend sends its collectives through the copy engines (peer access permitting)."""
+    saved, _for_graphs[0] = _for_graphs[0], True
+    try:
+        yield
+    finally:
+        _for_graphs[0] = saved
+
+
+def peer_access(group) -> bool:
+    """Whether every rank of `group` runs on its own GPU of one host and can map every other's memory
+    (torch.cuda.can_device_access_peer), as all ranks agree. A collective on the first call per
+    group (cached): every rank must ask, in the same order, outside graph capture."""
+    key = id(group)
+    if key not in _peer_access:
+        me = torch.cuda.current_device()
+        ranks = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ranks, (socket.gethostname(), me), group=group)
+        ok = can_map_peers(ranks, me, torch.cuda.can_device_access_peer)
+        verdict = torch.tensor([int(ok)], device=torch.device("cuda", me))
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+        _peer_access[key] = bool(verdict.item())
+    return _peer_access[key]
+
+
+def can_map_peers(ranks: Sequence[Tuple[str, int]], me: int, can_access: Callable[[int, int], bool]) -> bool:
+    """This rank's view, from every rank's (host, CUDA device index): one host, a distinct device per rank
+    (two ranks reporting one index, e.g. each limited by CUDA_VISIBLE_DEVICES, cannot be checked), and
+    peer access from device `me` to every other."""
+    return (len(set(ranks)) == len(ranks) and len({host for host, _ in ranks}) == 1
+            and all(d == me or can_access(me, d) for _, d in ranks))
+
+
+def use_copy_engine(x: torch.Tensor, group) -> bool:
+    """Whether an all-gather / reduce-scatter of x over group goes through this module now."""
+    backend = comm_backend()
+    if backend == "nccl" or not available(x, group):
+        return False
+    if backend == "copy_engine":
+        return True
+    if not _for_graphs[0]:
+        return False
+    if id(group) not in _peer_access and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # cannot ask the group now; NCCL is captured as well (the warm-up asks first)
+    return peer_access(group)
 
 
 class _Workspace:
