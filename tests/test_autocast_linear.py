@@ -154,3 +154,15 @@ def test_linears_without_gradients_do_not_stack_the_weights():
         ys = linears(x, ws, bs)
     assert all(torch.equal(y, F.linear(x, w, b)) for y, w, b in zip(ys, ws, bs))
     assert ys[0].is_contiguous(), "inference stacked the weights (outputs are column slices of one product)"
+
+
+def test_linears_with_biases_on_some_weights_only_equal_one_linear_per_weight():
+    from tpflash.layers.autocast_linear import linears
+    x, ws, bs, dys = _stacked_case(True)
+    bs = [bs[0], None, bs[2]]
+    ys, grads = _grads(linears, x, ws, bs, dys, autocast=False)
+    ys0, grads0 = _grads(lambda x, ws, bs: [F.linear(x, w, b) for w, b in zip(ws, bs)], x, ws, bs, dys,
+                         autocast=False)
+    for a, b in zip(ys + grads, ys0 + grads0):
+        torch.testing.assert_close(a, b)
+

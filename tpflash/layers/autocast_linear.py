@@ -115,7 +115,8 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     Without gradients (inference) the n GEMMs run as they are, and no weights are copied."""
     if len(weights) == 1:
         return [linear(x, weights[0], biases[0])]
-    if not torch.is_grad_enabled() or (biases[0] is None) != all(b is None for b in biases):
+    some_biases = any(b is not None for b in biases) and not all(b is not None for b in biases)
+    if not torch.is_grad_enabled() or some_biases:
         return [linear(x, w, b) for w, b in zip(weights, biases)]
     dtype = _compute_dtype(x, weights) or x.dtype
     return list(_StackedLinear.apply(x, dtype, len(weights), *weights, *biases))
