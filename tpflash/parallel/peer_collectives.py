@@ -93,12 +93,12 @@ def can_map_peers(ranks: Sequence[Tuple[str, int]], me: int, can_access: Callabl
 def use_copy_engine(x: torch.Tensor, group) -> bool:
     """Whether an all-gather / reduce-scatter of x over group goes through this module now."""
     backend = comm_backend()
-    if backend == "nccl" or not available(x, group):
+    if backend == "nccl" or (backend == "auto" and not _for_graphs[0]):  # cheap answers first: every collective asks
+        return False
+    if not available(x, group):
         return False
     if backend == "copy_engine":
         return True
-    if not _for_graphs[0]:
-        return False
     if id(group) not in _peer_access and x.is_cuda and torch.cuda.is_current_stream_capturing():
         return False  # cannot ask the group now; NCCL is captured as well (the warm-up asks first)
     return peer_access(group)
