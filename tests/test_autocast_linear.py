@@ -166,3 +166,13 @@ def test_linears_with_biases_on_some_weights_only_equal_one_linear_per_weight():
     for a, b in zip(ys + grads, ys0 + grads0):
         torch.testing.assert_close(a, b)
 
+
+def test_linears_reject_a_weight_of_another_input_size_naming_it():
+    from tpflash.layers.autocast_linear import linears
+    x, ws, bs, _ = _stacked_case(True)
+    ws[1] = torch.randn(8, 31, requires_grad=True)
+    with pytest.raises(ValueError, match=r"weight 1 has shape \(8, 31\), but the input's last dim is 32"):
+        linears(x, ws, bs)
+    with pytest.raises(ValueError, match="3 weights but 2 biases"):
+        linears(x, ws, bs[:2])
+

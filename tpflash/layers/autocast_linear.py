@@ -113,6 +113,12 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     one buffer) and multiplied in one GEMM per direction: one wider GEMM runs closer to peak than n
     narrow ones, and x's gradient comes out of one GEMM instead of n GEMMs and n-1 additions.
     Without gradients (inference) the n GEMMs run as they are, and no weights are copied."""
+    if len(weights) != len(biases):
+        raise ValueError(f"linears: {len(weights)} weights but {len(biases)} biases (one per weight, or None)")
+    for i, w in enumerate(weights):
+        if w.shape[-1] != x.shape[-1]:
+            raise ValueError(f"linears: weight {i} has shape {tuple(w.shape)}, but the input's last dim is "
+                             f"{x.shape[-1]}: every weight must be [out_i, {x.shape[-1]}]")
     if len(weights) == 1:
         return [linear(x, weights[0], biases[0])]
     some_biases = any(b is not None for b in biases) and not all(b is not None for b in biases)
