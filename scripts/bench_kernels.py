@@ -4,10 +4,10 @@
 
 Attention: TFLOP/s of forward and forward+backward ("tpflash triton": the Triton kernel; "tpflash
 auto": what the dispatcher runs on [batch, seq, heads, dim] inputs) (bwd = 2.5x fwd FLOPs; causal halves them) vs
-torch SDPA's flash, cuDNN and efficient backends, MHA, 16k tokens per batch. Norms, rotary and
-cross-entropy: GB/s (bytes that must move at least once / time) vs eager PyTorch and torch.compile,
-beside the GPU's measured copy bandwidth. Fused linear-CE: time and peak extra memory vs the naive
-logits path. Every number printed comes from this run.
+torch SDPA's flash, cuDNN and efficient backends, MHA, 16k tokens per batch. Norms, rotary,
+cross-entropy and the bias gradients' column sum: GB/s (bytes that must move at least once / time)
+vs eager PyTorch and torch.compile, beside the GPU's measured copy bandwidth. Fused linear-CE: time
+and peak extra memory vs the naive logits path. Every number printed comes from this run.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
-from tpflash.kernels import apply_rotary, flash_attention, layer_norm, rms_norm, use_backend
+from tpflash.kernels import apply_rotary, column_sum, flash_attention, layer_norm, rms_norm, use_backend
 from tpflash.losses import fused_linear_cross_entropy, vocab_parallel_cross_entropy
 
 DEV, BF16 = "cuda", torch.bfloat16
@@ -77,7 +77,7 @@ def bench_attention(seqs, head_dims):
                     t_fb = timed(fwd_bwd(fn, inputs, g))
                     row("attention", f"hd{hd} {'causal' if causal else 'full'} seq{seq} b{batch} h{heads}", name,
                         flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9, "TFLOP/s fwd / fwd+bwd")
-                del q, k, v, qt, kt, vt, grad, impls
+                q = k = v = qt = kt = vt = grad = impls = None  # free this size's tensors before the next
                 torch.cuda.empty_cache()
 
 
@@ -107,7 +107,6 @@ def bench_memory_bound(copy_gbs):
     x = torch.randn(tokens, hidden, device=DEV, dtype=BF16, requires_grad=True)
     w = torch.ones(hidden, device=DEV, dtype=BF16, requires_grad=True)
     b = torch.zeros(hidden, device=DEV, dtype=BF16, requires_grad=True)
-    gy = torch.randn_like(x)
     cases = {
         "layer_norm": {"tpflash": lambda: layer_norm(x, w, b),
                        "eager": lambda: F.layer_norm(x, (hidden,), w, b),
@@ -145,6 +144,21 @@ def bench_memory_bound(copy_gbs):
         t_stats = timed(lambda: cross_entropy_stats(logits, target, logits.shape[1]))
     row("cross_entropy", f"{tuple(logits.shape)} bf16", "tpflash stats kernel only", logits.numel() * 2 / t_stats / 1e6,
         float("nan"), f"GB/s fwd (copy {copy_gbs:.0f})")
+
+
+def bench_column_sum(copy_gbs):
+    """The bias gradients' fp32 sum over tokens: GB/s of the bf16 matrix read once. Timed in a CUDA graph,
+    as the graphed training step runs it (no launch overhead), over 4 matrices in turn (more than the L2
+    holds, so each is read from HBM)."""
+    compiled = torch.compile(lambda x: x.sum(0, dtype=torch.float32))
+    for cols in (2048, 6144, 8192):
+        xs = [torch.randn(8192, cols, device=DEV, dtype=BF16) for _ in range(4)]
+        impls = {"tpflash": column_sum, "eager": lambda x: x.sum(0, dtype=torch.float32), "compile": compiled}
+        for name, fn in impls.items():
+            fn(xs[0])  # compile outside the graph
+            ms = do_bench_cudagraph(lambda: [fn(x) for x in xs]) / len(xs)
+            row("column_sum", f"{tuple(xs[0].shape)} bf16", name, xs[0].numel() * 2 / ms / 1e6, "",
+                f"GB/s, CUDA graph (copy {copy_gbs:.0f})")
 
 
 def bench_fused_linear_ce(tokens=16384, hidden=4096, vocab=128256):
@@ -186,6 +200,7 @@ def main():
         return 0
     copy_gbs = bench_copy()
     bench_memory_bound(copy_gbs)
+    bench_column_sum(copy_gbs)
     bench_fused_linear_ce()
     return 0
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.helpers import DEVICE, assert_rel, float64_twin, needs_interpreter, run_with_grads
-from tpflash.kernels import layer_norm, rms_norm
+from tpflash.kernels import layer_norm, rms_norm, use_backend
 from tpflash.kernels.norm_kernels import _norm_backward
 
 
@@ -133,3 +133,37 @@ def test_norm_writes_y_in_out_dtype(rms):
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 def test_norm_writes_y_in_out_dtype_on_gpu(rms):
     _out_dtype_check(rms, DEVICE)
+
+
+def _as_the_kernel_rounds(g, dtype):
+    """g cast to dtype as a Triton store rounds it: to nearest even (as torch) in a compiled kernel;
+    Triton's CPU interpreter truncates fp32 -> bf16 (its cast passes no rounding mode)."""
+    if g.is_cuda or dtype != torch.bfloat16:
+        return g.to(dtype)
+    return (g.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+
+
+def _low_dx_check(rms, shape, device):
+    """A bf16 x (the branch output) and an fp32 residual: x's gradient comes out in bf16, the residual
+    gradient rounded once."""
+    x, w, b, r = _inputs(shape, torch.float32, True, bias=not rms, device=device)
+    x = x.to(torch.bfloat16).requires_grad_()
+    r.requires_grad_()
+    with use_backend("triton"):
+        y, res = rms_norm(x, w, residual=r) if rms else layer_norm(x, w, b, residual=r)
+    torch.manual_seed(4)
+    torch.autograd.backward([y, res], [torch.randn_like(y), torch.randn_like(res)])
+    assert x.grad.dtype == torch.bfloat16 and r.grad.dtype == torch.float32
+    assert torch.equal(x.grad, _as_the_kernel_rounds(r.grad, torch.bfloat16))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_writes_a_bf16_x_gradient_as_the_rounded_residual_gradient(rms):
+    _low_dx_check(rms, (3, 5, 40), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_writes_a_bf16_x_gradient_as_the_rounded_residual_gradient_on_gpu(rms):
+    _low_dx_check(rms, (4, 512, 4096), DEVICE)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import os
 from typing import Iterator, Optional
 
@@ -43,7 +44,7 @@ def use_backend(name: str) -> Iterator[None]:
 
 def triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError:
         return False
     return True

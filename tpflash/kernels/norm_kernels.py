@@ -5,10 +5,12 @@ whose value is written out as the new residual and normalised in fp32. Forward: 
 row. Backward: one program per SM, each walking its own rows in tiles of ROWS rows (loads of
 several rows in flight, the next tile prefetched when STAGES > 1); programs keep their
 dweight/dbias partial sums in fp32 registers, and a final torch sum over programs reduces them
-(no atomics, deterministic). The launch is a fixed rule of the shapes and dtypes, not an autotuner:
-on the H100, different (ROWS, STAGES) gave gradients that differ in the last bits, and tp
-ranks that normalise the same replicated activations must compute the same bits (an autotuner's
-timing-based pick could differ between them).
+(no atomics, deterministic). With a residual of another dtype than x (bf16 branch output, fp32
+residual stream), it writes x's gradient in x's dtype beside the residual's, in the same pass.
+The launch is a fixed rule of the shapes and dtypes, not an autotuner: on the H100, different
+(ROWS, STAGES) gave gradients that differ in the last bits, and tp ranks that normalise the same
+replicated activations must compute the same bits (an autotuner's timing-based pick could differ
+between them).
 """
 from __future__ import annotations
 
@@ -56,9 +58,9 @@ INTERPRET_BWD = {"ROWS": 2, "STAGES": 2, "WARPS": 1, "PER_SM": None}  # CPU inte
 
 
 @triton.jit
-def _norm_bwd_kernel(H, W, DY, DRES, DX, DW, DB, MEAN, RSTD, rows, n, rows_per_program, BLOCK: tl.constexpr,
+def _norm_bwd_kernel(H, W, DY, DRES, DX, DX_LOW, DW, DB, MEAN, RSTD, rows, n, rows_per_program, BLOCK: tl.constexpr,
                      ROWS: tl.constexpr, STAGES: tl.constexpr, RMS: tl.constexpr, HAS_DRES: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, HAS_DX_LOW: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     in_cols = cols < n
@@ -98,6 +100,8 @@ def _norm_bwd_kernel(H, W, DY, DRES, DX, DW, DB, MEAN, RSTD, rows, n, rows_per_p
         if HAS_DRES:
             dx += tl.load(DRES + at, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DX_LOW:  # x's gradient in x's dtype from the same registers: no separate cast pass over dx
+            tl.store(DX_LOW + at, dx.to(DX_LOW.dtype.element_ty), mask=mask)
     tl.store(DW + pid * n + cols, dw, mask=in_cols)
     if HAS_BIAS:
         tl.store(DB + pid * n + cols, db, mask=in_cols)
@@ -134,8 +138,10 @@ def _launch_shape(n: int):
     return block, _warps(block)
 
 
-def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, launch=None):
-    """(dx [rows, n], dweight, dbias or None) of the norm of h [rows, n] (contiguous, as are dy/dres).
+def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, launch=None, low_dtype=None):
+    """(dx [rows, n], dweight, dbias or None, dx_low or None) of the norm of h [rows, n] (contiguous, as
+    are dy/dres). dx_low: dx rounded to `low_dtype` (x's dtype under a residual of another dtype),
+    written in the same pass as dx when `low_dtype` is given.
 
     Program p owns rows [p * per_program, (p + 1) * per_program) and writes their dweight/dbias sums
     to row p of an fp32 [programs, n] buffer, summed here: no atomics, deterministic. `launch`
@@ -148,16 +154,18 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, l
     launch = dict(rule, **(launch or {}))
     groups = 4 if launch["PER_SM"] is None or h.device.type != "cuda" else launch["PER_SM"] * _sm_count(h.device)
     dx = torch.empty(rows, n, device=h.device, dtype=dx_dtype)
+    dx_low = torch.empty(rows, n, device=h.device, dtype=low_dtype) if low_dtype is not None else None
     per_program = max(1, triton.cdiv(rows, groups))
     programs = max(1, triton.cdiv(rows, per_program))
     dw = torch.empty(programs, n, device=h.device, dtype=torch.float32)
     db = torch.empty(programs, n, device=h.device, dtype=torch.float32) if bias is not None else None
-    args = (h, weight, dy, dres, dx, dw, db, mean, rstd, rows, n, per_program)
-    flags = dict(BLOCK=block, RMS=rms, HAS_DRES=dres is not None, HAS_BIAS=bias is not None)
+    args = (h, weight, dy, dres, dx, dx_low, dw, db, mean, rstd, rows, n, per_program)
+    flags = dict(BLOCK=block, RMS=rms, HAS_DRES=dres is not None, HAS_BIAS=bias is not None,
+                 HAS_DX_LOW=dx_low is not None)
     _norm_bwd_kernel[(programs,)](*args, **flags, ROWS=launch["ROWS"], STAGES=launch["STAGES"],
                                   num_warps=launch["WARPS"])
     dbias = db.sum(0).to(bias.dtype) if bias is not None else None
-    return dx, dw.sum(0).to(weight.dtype), dbias
+    return dx, dw.sum(0).to(weight.dtype), dbias, dx_low
 
 
 class _TritonNorm(torch.autograd.Function):
@@ -187,11 +195,15 @@ class _TritonNorm(torch.autograd.Function):
         dy = dy.reshape(-1, n).contiguous()
         has_dres = ctx.has_residual and dres is not None
         dres = dres.reshape(-1, n).contiguous() if has_dres else None
-        dx, dweight, dbias = _norm_backward(h, weight, bias, dy, dres, mean, rstd, ctx.rms,
-                                            h.dtype if ctx.has_residual else ctx.x_dtype)
+        # with a residual, dx is the residual's gradient (in its dtype, h's) and x's too: when x's dtype
+        # differs (bf16 branch output, fp32 residual) the kernel also writes it in x's dtype
+        x_low = ctx.has_residual and ctx.x_dtype != h.dtype
+        dx, dweight, dbias, dx_low = _norm_backward(h, weight, bias, dy, dres, mean, rstd, ctx.rms,
+                                                    h.dtype if ctx.has_residual else ctx.x_dtype,
+                                                    low_dtype=ctx.x_dtype if x_low else None)
         dx = dx.reshape(ctx.shape)
         if ctx.has_residual:
-            return dx.to(ctx.x_dtype), dweight, dbias, dx, None, None, None
+            return dx_low.reshape(ctx.shape) if x_low else dx, dweight, dbias, dx, None, None, None
         return dx, dweight, dbias, None, None, None, None
 
 

@@ -19,6 +19,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kernels import column_sum
+
 _MM_OUT_DTYPE = [None]  # whether torch.mm(..., out_dtype=) works here; found on first use
 
 
@@ -81,7 +83,7 @@ class _StackedLinear(torch.autograd.Function):
         if any(ctx.needs_input_grad[3:3 + n]):
             grads[:n] = _weight_grad_fp32(rows, x_c.reshape(-1, x_c.shape[-1])).split(ctx.sizes)
         if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:]):
-            grads[n:] = rows.sum(0, dtype=torch.float32).split(ctx.sizes)
+            grads[n:] = column_sum(rows).split(ctx.sizes)
         grads = [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.param_dtypes)]
         return (grad_x, None, None, *grads)
 
@@ -138,7 +140,7 @@ class _AddBias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        grad_bias = column_sum(grad.reshape(-1, grad.shape[-1])).to(ctx.bias_dtype)
         return grad, grad_bias
 
 

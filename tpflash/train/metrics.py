@@ -5,6 +5,7 @@ over the ranks that contribute to it (the trainer does that).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import resource
@@ -129,7 +130,7 @@ class MetricsWriter:
 
 def _has_tqdm() -> bool:
     try:
-        import tqdm  # noqa: F401
+        importlib.import_module("tqdm")
         return True
     except ImportError:
         return False
@@ -139,7 +140,7 @@ def check_logging(cfg: LogSection) -> None:
     """Raise ValueError now (before any collective) if log.tensorboard=on cannot be honoured."""
     if cfg.tensorboard == "on":
         try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            importlib.import_module("torch.utils.tensorboard")
         except ImportError:
             raise ValueError("log.tensorboard=on but tensorboard is not installed (pip install tensorboard)") from None
 
