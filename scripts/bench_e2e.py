@@ -184,7 +184,8 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
         row.update(extra)
         tok_gpu = args.batch * args.seq / ps.tp_size / step_s
         if impl in OVERLAPPED and ps.tp_size > 1:  # which overlap ran (TPFLASH_OVERLAP_BACKEND / _PIECES)
-            how = ("overlap symm_mem" if overlap.overlap_backend() == "symm_mem"
+            backend = overlap.overlap_backend()
+            how = (f"overlap {backend}" if backend != "pieces"
                    else f"overlap k={overlap.num_pieces(args.seq // ps.tp_size)}")
             if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
                 how += f", CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']}"

@@ -62,16 +62,24 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel), device)
     calls = []  # all-gathers through the copy engines (tpflash.parallel.peer_collectives)
-    real_all_gather = peer_collectives.all_gather
-    peer_collectives.all_gather = lambda x, group: calls.append(1) or real_all_gather(x, group)
+    real = peer_collectives.PeerAllGather
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            calls.append(1)
+            super().__init__(*args, **kwargs)
+
+    peer_collectives.PeerAllGather = Counted
     try:
         with _environment(TPFLASH_OVERLAP_BACKEND=overlap_backend, TPFLASH_COMM_BACKEND=comm_backend), \
                 overlap.overlap_comm(overlap_on):
             _train(graphed, eager, device, steps, micro_batches)
     finally:
-        peer_collectives.all_gather = real_all_gather
-    if device.type == "cuda" and tp > 1 and sequence_parallel and not overlap_on and comm_backend != "nccl":
-        # the default sends captured collectives through the copy engines on GPUs with peer access (test machines)
+        peer_collectives.PeerAllGather = real
+    through_peers = not overlap_on and comm_backend != "nccl" or overlap_on and overlap_backend == "copy_engine"
+    if device.type == "cuda" and tp > 1 and sequence_parallel and through_peers:
+        # the default sends captured collectives through the copy engines on GPUs with peer access (test
+        # machines); the copy_engine overlap backend sends its transfers there in any case
         assert calls, f"TPFLASH_COMM_BACKEND={comm_backend}: the captured all-gathers did not use the copy engines"
     if comm_backend == "nccl":
         assert not calls, "TPFLASH_COMM_BACKEND=nccl used the copy engines"
@@ -144,6 +152,11 @@ def test_graphed_gpt_with_overlap_trains_like_the_eager_gpt(ranks):
 
 
 @pytest.mark.cpu_ranks
+def test_graphed_gpt_with_copy_engine_overlap_trains_like_the_eager_gpt(ranks):
+    ranks(2).run(train_body, 2, True, 2, 2, True, "copy_engine")
+
+
+@pytest.mark.cpu_ranks
 def test_graphed_gpt_runs_other_shapes_and_no_grad_eagerly(ranks):
     ranks(2).run(fallback_body, 2)
 
@@ -203,9 +216,9 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("overlap_on,backend,comm_backend",
                          [(False, "pieces", "auto"), (False, "pieces", "nccl"), (False, "pieces", "copy_engine"),
-                          (True, "pieces", "auto"), (True, "symm_mem", "auto")],
+                          (True, "pieces", "auto"), (True, "symm_mem", "auto"), (True, "copy_engine", "auto")],
                          ids=["serial-default", "serial-nccl", "serial-copy_engine", "overlap-pieces",
-                              "overlap-symm_mem"])
+                              "overlap-symm_mem", "overlap-copy_engine"])
 def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on, backend,
                                                               comm_backend):
     if torch.cuda.device_count() < 2:

@@ -290,6 +290,42 @@ def test_symm_mem_backend_matches_overlap_off(ranks):
     ranks(2).run(symm_mem_body, 2)
 
 
+def copy_engine_body(tp):
+    """The copy_engine backend against overlap off (on CPU over gloo's collectives, on GPUs through peer
+    memory): a column layer, a row layer, q/k/v-style weights with and without biases, a whole block."""
+    import os
+    from tpflash.parallel import peer_overlap
+    calls = []
+    real = peer_overlap.all_gather_linear, peer_overlap.linear_reduce_scatter
+    peer_overlap.all_gather_linear = lambda *a: calls.append("column") or real[0](*a)
+    peer_overlap.linear_reduce_scatter = lambda *a: calls.append("row") or real[1](*a)
+    os.environ["TPFLASH_OVERLAP_BACKEND"] = "copy_engine"  # in the rank process (the pool outlives a test)
+    try:
+        column_on_off_body(tp, True)
+        row_on_off_body(tp)
+        multi_weight_body(tp, True)  # one weight without a bias: the pieces path serves it
+        linear_reduce_scatter_body(tp)
+        autocast_body(tp)
+        block_on_off_body(tp, "swiglu", 1)
+        block_on_off_body(tp, "gelu", 4)
+    finally:
+        del os.environ["TPFLASH_OVERLAP_BACKEND"]
+        peer_overlap.all_gather_linear, peer_overlap.linear_reduce_scatter = real
+    assert {"column", "row"} <= set(calls), f"the copy_engine backend's functions did not run: {calls}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_copy_engine_backend_matches_overlap_off(ranks, tp):
+    ranks(tp).run(copy_engine_body, tp)
+
+
+@pytest.mark.gpu
+def test_copy_engine_backend_matches_overlap_off_through_peer_memory(ranks):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    ranks(2).run(copy_engine_body, 2)
+
+
 def test_unknown_overlap_backend_raises(monkeypatch):
     monkeypatch.setenv("TPFLASH_OVERLAP_BACKEND", "ring")
     with pytest.raises(ValueError, match="TPFLASH_OVERLAP_BACKEND='ring' must be one of"):

@@ -30,7 +30,8 @@ The switch: `overlap_enabled()` is off unless TPFLASH_OVERLAP=1, and `overlap_co
 it on inside a `with` block; layers built with `overlap=None` ask at every forward. Results are
 the same either way up to the order of floating-point sums. TPFLASH_OVERLAP_PIECES sets k (4).
 TPFLASH_OVERLAP_BACKEND=symm_mem swaps the pieces for PyTorch's symmetric-memory collective
-matmuls on CUDA (tpflash.parallel.symm_overlap); the switch and the entry points stay the same.
+matmuls on CUDA (tpflash.parallel.symm_overlap), and =copy_engine for one GEMM per rank's rows beside
+copy-engine transfers (tpflash.parallel.peer_overlap); the switch and the entry points stay the same.
 """
 from __future__ import annotations
 
@@ -74,13 +75,15 @@ def overlap_comm(enabled: bool = True):
         _forced.pop()
 
 
-_BACKENDS = ("pieces", "symm_mem")
+_BACKENDS = ("pieces", "symm_mem", "copy_engine")
 
 
 def overlap_backend() -> str:
     """How overlapped layers communicate (TPFLASH_OVERLAP_BACKEND): "pieces" (default; this module's
-    NCCL/gloo collectives per piece) or "symm_mem" (PyTorch's symmetric-memory collective matmuls,
-    tpflash.parallel.symm_overlap; CUDA only, "pieces" elsewhere)."""
+    NCCL/gloo collectives per piece), "symm_mem" (PyTorch's symmetric-memory collective matmuls,
+    tpflash.parallel.symm_overlap; CUDA only, "pieces" elsewhere) or "copy_engine" (one GEMM per
+    rank's rows beside copy-engine transfers, tpflash.parallel.peer_overlap; where the GPUs cannot
+    map each other's memory, the same GEMMs over the group's collectives, not overlapped)."""
     backend = os.environ.get("TPFLASH_OVERLAP_BACKEND", "pieces").strip().lower()
     if backend not in _BACKENDS:
         raise ValueError(f"TPFLASH_OVERLAP_BACKEND={backend!r} must be one of {_BACKENDS}")
@@ -300,6 +303,10 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
         raise ValueError(f"got {len(weights)} weights but {len(biases)} biases")
     if group_size(group) == 1:
         return [torch.nn.functional.linear(x_local, w, b) for w, b in zip(weights, biases)]
+    all_or_no_bias = len({b is None for b in biases}) == 1
+    if overlap_backend() == "copy_engine" and save_gathered_input and all_or_no_bias:
+        from . import peer_overlap
+        return peer_overlap.all_gather_linear(x_local, weights, biases, group)
     if _use_symm_mem(x_local):
         from . import symm_overlap
         return symm_overlap.all_gather_linear(x_local, weights, biases, group)
@@ -317,6 +324,9 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None) -> 
         return torch.nn.functional.linear(h, weight)
     if h.shape[0] % world:
         raise ValueError(f"sequence length {h.shape[0]} (dim 0 of {tuple(h.shape)}) is not divisible by tp={world}")
+    if overlap_backend() == "copy_engine":
+        from . import peer_overlap
+        return peer_overlap.linear_reduce_scatter(h, weight, group)
     if _use_symm_mem(h):
         from . import symm_overlap
         return symm_overlap.linear_reduce_scatter(h, weight, group)

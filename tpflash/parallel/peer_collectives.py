@@ -5,9 +5,15 @@ NCCL's kernels move data with SMs, and on 2 H200s they reach about half the link
 maps its peers' symmetric-memory buffers (torch.distributed._symmetric_memory) and the transfers
 are plain `copy_`s between device pointers, which the copy engines carry without SMs:
 
-  all_gather(x)       write x into my buffer; barrier; copy every peer's buffer into the output; barrier
+  all_gather(x)       write x into every peer's buffer (at my slot); barrier; copy my buffer's slots
+                      into the output; barrier
   reduce_scatter(x)   write x's chunk r into peer r's buffer (at my slot); barrier; sum my buffer's
                       world slots (one small SM kernel; fp32 accumulation for world > 2); barrier
+
+Both push (a rank writes into its peers' memory): on 2 H200s an NVLink write of 21 MiB ran at 333
+GiB/s, a read at 284. `PeerAllGather` and `PeerReduceScatter` are the same two collectives with
+their parts exposed, so that GEMMs can consume or produce them one rank's part at a time while
+the copy engines move the others on a side stream (tpflash.parallel.peer_overlap).
 
 Synchronisation: one buffer per group and device, and two device-side barriers per call (tiny
 kernels on the current stream): the first says every rank has written, the last that every rank
@@ -15,16 +21,17 @@ has finished reading, so the next call may write again. No state lives on the ho
 which is what lets a CUDA graph capture these calls and replay them in any interleaving with eager
 ones (an earlier version alternated two buffers with one barrier per call; the alternation was host
 state that a replay would not advance). Calls on a group must be issued in the same order on every
-rank, on one stream, which holds for the layers' collectives. Process group: the one given (CUDA
+rank, one at a time, which holds for the layers' collectives. Process group: the one given (CUDA
 tensors, world > 1).
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import socket
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -95,12 +102,19 @@ def use_copy_engine(x: torch.Tensor, group) -> bool:
     backend = comm_backend()
     if backend == "nccl" or (backend == "auto" and not _for_graphs[0]):  # cheap answers first: every collective asks
         return False
+    if backend == "copy_engine":
+        return available(x, group)
+    return reachable(x, group)
+
+
+def reachable(x: torch.Tensor, group) -> bool:
+    """Whether this module can serve x over group and every rank can map every other's memory
+    (`peer_access`). Under CUDA graph capture only a verdict asked for before counts: the question
+    is a collective (GraphedBlocks' warm-up asks it)."""
     if not available(x, group):
         return False
-    if backend == "copy_engine":
-        return True
     if id(group) not in _peer_access and x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False  # cannot ask the group now; NCCL is captured as well (the warm-up asks first)
+        return False
     return peer_access(group)
 
 
@@ -143,20 +157,124 @@ def _workspace(group, device: torch.device, nbytes: int) -> _Workspace:
     return ws
 
 
+def _slot_bytes(shape, dtype: torch.dtype) -> int:
+    """Bytes of one rank's slot for a [shape] tensor of dtype, rounded up to the alignment."""
+    return -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+
+
+def _side_wait(stream: torch.cuda.Stream) -> None:
+    """`stream` starts after the work queued so far on the current stream (nothing to do if it is that stream)."""
+    if stream != torch.cuda.current_stream():
+        stream.wait_stream(torch.cuda.current_stream())
+
+
+def _side_wait_back(stream: torch.cuda.Stream) -> None:
+    """The current stream continues after everything queued on `stream`."""
+    if stream != torch.cuda.current_stream():
+        torch.cuda.current_stream().wait_stream(stream)
+
+
+class PeerAllGather:
+    """An all-gather of x [n, ...] along dim 0 whose parts can be used as they arrive.
+
+    Starts at construction, on `stream` (default: the current one): x is pushed into every peer's
+    buffer (at this rank's slot) and into `out`, a barrier waits for every rank's pushes, and the
+    arrived parts are copied into out [world*n, ...]. `piece(r)` makes the current stream wait for
+    the parts and returns rank r's [n, ...] (x itself for this rank; a peer's is a view of this
+    rank's buffer, valid until `finish`). `finish()` waits for everything, ends with the barrier
+    that frees the buffers, and returns out in rank order. Issue nothing else on the group between.
+    """
+
+    def __init__(self, x: torch.Tensor, group, stream: Optional[torch.cuda.Stream] = None):
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.x = x.contiguous()
+        self.slot = _slot_bytes(self.x.shape, self.x.dtype)
+        self.ws = _workspace(group, x.device, self.world * self.slot)
+        self.stream = stream or torch.cuda.current_stream()
+        self.out = x.new_empty((self.world * x.shape[0],) + tuple(x.shape[1:]))
+        parts = self.out.chunk(self.world)
+        _side_wait(self.stream)
+        with torch.cuda.stream(self.stream):
+            for r in self.order()[1:]:  # pushes: NVLink writes ran faster than reads (docs/performance.md)
+                self._view(r, self.rank).copy_(self.x)
+            parts[self.rank].copy_(self.x)
+            self.ws.barrier()  # every rank's part is here
+            self.arrived = torch.cuda.Event()
+            self.arrived.record(self.stream)
+            for r in self.order()[1:]:
+                parts[r].copy_(self._view(self.rank, r))
+        self._waited = False
+
+    def _view(self, owner: int, slot: int) -> torch.Tensor:
+        return self.ws.view(owner, slot * self.slot, self.x.shape, self.x.dtype)
+
+    def order(self) -> List[int]:
+        """The ranks in the order their parts are best consumed: this rank's first (no wait), then the next ranks."""
+        return [(self.rank + step) % self.world for step in range(self.world)]
+
+    def piece(self, r: int) -> torch.Tensor:
+        if r == self.rank:
+            return self.x
+        if not self._waited:
+            torch.cuda.current_stream().wait_event(self.arrived)
+            self._waited = True
+        return self._view(self.rank, r)
+
+    def finish(self) -> torch.Tensor:
+        _side_wait_back(self.stream)
+        self.ws.barrier()  # every rank has read its buffer: they may be written again
+        return self.out
+
+
+class PeerReduceScatter:
+    """A reduce-scatter whose parts are sent as soon as they are computed.
+
+    `send(r, part)` pushes this rank's partial sum of rank r's rows, part [m, ...], into rank r's
+    buffer (at this rank's slot) on `stream` (default: the current one), while the caller computes
+    the next part; `finish(own)` adds every rank's part for this rank's rows to own [m, ...] (fp32
+    accumulation above two ranks) and returns the sum. Every peer gets exactly one part.
+    """
+
+    def __init__(self, group, shape, dtype: torch.dtype, device: torch.device,
+                 stream: Optional[torch.cuda.Stream] = None):
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.shape, self.dtype = tuple(shape), dtype
+        self.slot = _slot_bytes(self.shape, dtype)
+        self.ws = _workspace(group, device, self.world * self.slot)
+        self.stream = stream or torch.cuda.current_stream()
+        self.sent: List[torch.Tensor] = []  # alive until the pushes are done
+
+    def _view(self, owner: int, slot: int) -> torch.Tensor:
+        return self.ws.view(owner, slot * self.slot, self.shape, self.dtype)
+
+    def send(self, r: int, part: torch.Tensor) -> None:
+        part = part.contiguous()
+        _side_wait(self.stream)
+        with torch.cuda.stream(self.stream):
+            self._view(r, self.rank).copy_(part)
+        self.sent.append(part)
+
+    def finish(self, own: torch.Tensor) -> torch.Tensor:
+        if len(self.sent) != self.world - 1:
+            raise RuntimeError(f"PeerReduceScatter: {len(self.sent)} parts sent, {self.world - 1} expected")
+        _side_wait_back(self.stream)
+        self.ws.barrier()  # every rank's parts have arrived
+        received = [self._view(self.rank, r) for r in range(self.world) if r != self.rank]
+        if self.world == 2:
+            out = torch.add(own, received[0])
+        else:
+            total = own.float()
+            for part in received:
+                total += part
+            out = total.to(self.dtype)
+        self.ws.barrier()  # every rank has summed its slots: the buffers may be written again
+        self.sent = []
+        return out
+
+
 def all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's x [n, ...] concatenated along dim 0 in rank order: [world*n, ...]."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    x = x.contiguous()
-    ws = _workspace(group, x.device, x.numel() * x.element_size())
-    ws.view(rank, 0, x.shape, x.dtype).copy_(x)
-    ws.barrier()  # every rank's part is written
-    out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
-    parts = out.chunk(world)
-    for step in range(world):  # start with the next rank so that peers do not all read one buffer
-        r = (rank + step) % world
-        parts[r].copy_(x if r == rank else ws.view(r, 0, x.shape, x.dtype))
-    ws.barrier()  # every rank has read: the buffers may be written again
-    return out
+    return PeerAllGather(x, group).finish()
 
 
 def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
@@ -165,22 +283,9 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     if x.shape[0] % world:
         raise ValueError(f"reduce_scatter: size {x.shape[0]} of dim 0 (shape {tuple(x.shape)}) "
                          f"is not divisible by the group size {world}")
-    x = x.contiguous()
-    chunks = x.chunk(world)  # chunk r: my partial sum of rank r's rows
-    chunk_bytes = chunks[0].numel() * x.element_size()
-    stride = -(-chunk_bytes // _ALIGN) * _ALIGN
-    ws = _workspace(group, x.device, world * stride)
-    for step in range(1, world):  # push into peer r's buffer, at my position
+    chunks = x.contiguous().chunk(world)  # chunk r: my partial sum of rank r's rows
+    scatter = PeerReduceScatter(group, chunks[0].shape, x.dtype, x.device)
+    for step in range(1, world):
         r = (rank + step) % world
-        ws.view(r, rank * stride, chunks[r].shape, x.dtype).copy_(chunks[r])
-    ws.barrier()  # every rank's chunks have arrived
-    received = [ws.view(rank, r * stride, chunks[r].shape, x.dtype) for r in range(world) if r != rank]
-    if world == 2:
-        out = torch.add(chunks[rank], received[0])
-    else:
-        total = chunks[rank].float()
-        for part in received:
-            total += part
-        out = total.to(x.dtype)
-    ws.barrier()  # every rank has summed its slots: the buffers may be written again
-    return out
+        scatter.send(r, chunks[r])
+    return scatter.finish(chunks[rank])

@@ -1,0 +1,199 @@
+"""Sequence-parallel GEMMs overlapped with copy-engine transfers, one piece per rank.
+
+The overlap backend "copy_engine" (TPFLASH_OVERLAP_BACKEND). The all-gathers and reduce-scatters
+of tpflash.parallel.peer_collectives move data with the GPUs' copy engines, which leave the SMs to
+the GEMMs: on 2 H200s a GEMM beside a copy-engine transfer of its activation ran 4% slower, beside
+an SM-kernel copy 30% slower (docs/performance.md). So the collective matmul needs no pieces finer
+than one per rank, and each piece is one GEMM over the weights stacked (q/k/v, up/gate) as in
+tpflash.layers.autocast_linear:
+
+  column forward   ys = all_gather(x) @ [W_1; ..; W_n]^T   this rank's rows are multiplied while the
+                   copy engines move the others; each peer's rows are multiplied once they are here
+  column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
+                   sent first, this rank's last; the weight-gradient GEMM runs while they travel
+  row forward      y = reduce_scatter(h @ W^T)             the same sends
+  row backward     grad_h = all_gather(grad_y) @ W          as the column forward; then grad_W
+
+Activations are sequence-first ([s/tp, b, feat] per rank), so "rank r's rows" are one contiguous
+block of [s*b, feat] and every piece is a plain GEMM into a slice of the output. Where peers cannot
+map each other's memory (CPU, gloo, other hosts) the same Functions run over the group's own
+collectives with nothing overlapped: that is what CI tests; the copy engines are tested on 2 GPUs.
+Process group: the tp group passed in.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import column_sum
+from ..layers.autocast_linear import _stack, _weight_grad_fp32
+from . import comm, peer_collectives
+from .overlap import _no_autocast, _rows, linear_compute_dtype
+
+_side_streams = {}  # device -> the stream the copy engines' transfers are queued on
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+class _GroupAllGather:
+    """PeerAllGather's interface over the group's own all-gather (no overlap)."""
+
+    def __init__(self, x: torch.Tensor, group):
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.x, self.out = x, comm.all_gather(x, 0, group)
+
+    def order(self) -> List[int]:
+        return [(self.rank + step) % self.world for step in range(self.world)]
+
+    def piece(self, r: int) -> torch.Tensor:
+        return self.out.chunk(self.world)[r]
+
+    def finish(self) -> torch.Tensor:
+        return self.out
+
+
+class _GroupReduceScatter:
+    """PeerReduceScatter's interface over the group's own reduce-scatter (no overlap)."""
+
+    def __init__(self, group, shape, dtype: torch.dtype, device: torch.device):
+        self.group, self.rank = group, dist.get_rank(group)
+        self.parts = torch.empty((dist.get_world_size(group),) + tuple(shape), dtype=dtype, device=device)
+
+    def send(self, r: int, part: torch.Tensor) -> None:
+        self.parts[r].copy_(part)
+
+    def finish(self, own: torch.Tensor) -> torch.Tensor:
+        self.parts[self.rank].copy_(own)
+        return comm.reduce_scatter(self.parts, 0, self.group)[0]
+
+
+def _all_gather(x: torch.Tensor, group):
+    if peer_collectives.reachable(x, group):
+        return peer_collectives.PeerAllGather(x, group, _side_stream(x.device))
+    return _GroupAllGather(x, group)
+
+
+def _reduce_scatter(group, shape, like: torch.Tensor):
+    if peer_collectives.reachable(like, group):
+        return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, _side_stream(like.device))
+    return _GroupReduceScatter(group, shape, like.dtype, like.device)
+
+
+def _peers_first(rank: int, world: int) -> List[int]:
+    """Ranks in sending order: the peers after this rank, this rank last (its part is not sent)."""
+    return [(rank + step) % world for step in range(1, world)]
+
+
+def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out[rows of rank r] = gather.piece(r) @ w (+ b), each rank's rows as soon as they are here."""
+    m = out.shape[0] // len(gather.order())
+    for r in gather.order():
+        dst = out[r * m:(r + 1) * m]
+        if b is None:
+            torch.mm(gather.piece(r), w, out=dst)
+        else:
+            torch.addmm(b, gather.piece(r), w, out=dst)
+
+
+def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
+    """reduce_scatter(a @ w): a [world*m, k], w [k, n] -> this rank's summed rows [m, n]; the rows due
+    to each peer are sent while the next rows are multiplied. The caller's work queued before the
+    sum overlaps the last transfers: see `_send_parts` for the split form."""
+    pending, own = _send_parts(a, w, group)
+    return pending.finish(own)
+
+
+def _send_parts(a: torch.Tensor, w: torch.Tensor, group):
+    """(pending reduce-scatter, this rank's own part): every peer's rows of a @ w computed and sent."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    m = a.shape[0] // world
+    pending = _reduce_scatter(group, (m, w.shape[1]), a)
+    for r in _peers_first(rank, world):
+        pending.send(r, a[r * m:(r + 1) * m] @ w)
+    return pending, a[rank * m:(rank + 1) * m] @ w
+
+
+class _ColumnLinearOverPeers(torch.autograd.Function):
+    """ys_i = all_gather_seq(x_local) @ W_i^T + b_i: x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp]."""
+
+    @staticmethod
+    def forward(ctx, x_local, group, n, *params):
+        weights, biases = params[:n], params[n:]
+        dtype = linear_compute_dtype(x_local)
+        ctx.group, ctx.x_dtype, ctx.local_shape = group, x_local.dtype, x_local.shape
+        ctx.sizes = [w.shape[0] for w in weights]
+        ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+        rows = _rows(x_local.to(dtype))  # [s/tp*b, in]
+        world = dist.get_world_size(group)
+        with _no_autocast(rows):
+            w_c = _stack(weights, dtype)  # [sum out_i/tp, in]
+            b_c = None if biases[0] is None else _stack(biases, dtype)
+            gather = _all_gather(rows, group)
+            out = rows.new_empty((world * rows.shape[0], w_c.shape[0]))  # [s*b, sum out_i/tp]
+            _gather_multiply(gather, w_c.t(), b_c, out)
+            x_full = gather.finish()  # [s*b, in], kept for the weight gradient
+        ctx.save_for_backward(x_full, w_c)
+        lead = (world * x_local.shape[0],) + tuple(x_local.shape[1:-1])
+        return tuple(out.view(lead + (w_c.shape[0],)).split(ctx.sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grad_ys):
+        x_full, w_c = ctx.saved_tensors
+        n = len(ctx.sizes)
+        grads = [torch.zeros(x_full.shape[:1] + (size,), dtype=w_c.dtype, device=w_c.device) if g is None
+                 else _rows(g).to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]
+        grad_y = grads[0].contiguous() if n == 1 else torch.cat(grads, dim=-1)  # [s*b, sum out]
+        with _no_autocast(x_full):
+            pending, own = _send_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
+            grad_w = _weight_grad_fp32(grad_y, x_full).split(ctx.sizes)  # ... the weight gradient is computed
+            has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:])
+            grad_b = column_sum(grad_y).split(ctx.sizes) if has_bias else [None] * n
+            grad_x = pending.finish(own)  # [s/tp*b, in]
+        params = [None if g is None else g.to(dt) for g, dt in zip(list(grad_w) + list(grad_b), ctx.param_dtypes)]
+        return (grad_x.view(ctx.local_shape).to(ctx.x_dtype), None, None, *params)
+
+
+class _RowLinearOverPeers(torch.autograd.Function):
+    """y_local = reduce_scatter_seq(h @ W^T): h [s, b, in/tp] -> y_local [s/tp, b, out]."""
+
+    @staticmethod
+    def forward(ctx, h, weight, group):
+        dtype = linear_compute_dtype(h)
+        ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype)
+        h, w = h.to(dtype).contiguous(), weight.to(dtype)
+        with _no_autocast(h):
+            y = _multiply_scatter(_rows(h), w.t(), group)  # [s/tp*b, out]
+        ctx.save_for_backward(h, w)
+        return y.view((h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        h, w = ctx.saved_tensors
+        with _no_autocast(h):
+            gather = _all_gather(_rows(grad_y.to(h.dtype)), ctx.group)
+            grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
+            _gather_multiply(gather, w, None, grad_h)
+            grad_w = _weight_grad_fp32(gather.finish(), _rows(h))  # [out, in/tp]
+        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None
+
+
+def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
+                      biases: Sequence[Optional[torch.Tensor]], group) -> List[torch.Tensor]:
+    """[F.linear(all_gather_along_seq(x_local), W_i, b_i)], one GEMM per rank's rows (module docstring).
+    x_local [s/tp, b, in]; W_i [out_i/tp, in]; biases all given or all None; -> [s, b, out_i/tp] each.
+    The gathered input is kept for the backward."""
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise ValueError("peer_overlap.all_gather_linear: give a bias for every weight or for none")
+    return list(_ColumnLinearOverPeers.apply(x_local, group, len(weights), *weights, *biases))
+
+
+def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """reduce_scatter_along_seq(F.linear(h, weight)): h [s, b, in/tp] (s divisible by tp: the entry
+    point, tpflash.parallel.overlap.linear_reduce_scatter, checks), weight [out, in/tp] -> [s/tp, b, out]."""
+    return _RowLinearOverPeers.apply(h, weight, group)
