@@ -7,8 +7,9 @@ Every implementation trains the same GPT-2-style model (learned positions, Layer
 tied embeddings, biases) with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
   tpflash[-nooverlap]   tpflash.models.GPT: SP under tp>1, Triton kernels, fused linear+CE loss,
                         collectives pipelined with the GEMMs (or TPFLASH overlap off)
-  tpflash-graphs[-overlap]  the same with its blocks replayed as CUDA graphs (capture_cuda_graphs),
-                        overlap off (or on, pipelined inside the captured graphs)
+  tpflash-graphs[-serial|-overlap]  the same with its blocks replayed as CUDA graphs
+                        (capture_cuda_graphs): overlap as the library defaults it there (copy-engine
+                        overlap where the GPUs map each other's memory), forced off, or forced on
   plain[-compile]       a GPT written the way users write it (nn.Linear, SDPA, F.cross_entropy), tp=1
   dtensor[-compile]     the plain GPT under parallelize_module (Colwise/Rowwise/SequenceParallel,
                         loss_parallel), as torchtitan does it, tp>1
@@ -28,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,9 +47,10 @@ from e2e_profile import profile_exposed_comm  # noqa: E402
 
 MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560, layers=32, heads=32),
           "gpt-6.7b": dict(d=4096, layers=32, heads=32), "tiny": dict(d=64, layers=2, heads=4)}
-IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-overlap", "plain", "plain-compile",
-         "dtensor", "dtensor-compile")
+IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-serial", "tpflash-graphs-overlap",
+         "plain", "plain-compile", "dtensor", "dtensor-compile")
 OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives pipelined with the GEMMs
+OVERLAP_OFF = ("tpflash-nooverlap", "tpflash-graphs-serial")  # forced off; the others: the library default
 BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile": "plain-compile"}
 
 
@@ -62,9 +65,9 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
         if ps.dp_size > 1:  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction on CUDA)
             tpflash.parallel.apply_fsdp(model, ps)
-        on = impl in OVERLAPPED
+        on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
         if impl.startswith("tpflash-graphs"):  # the replays pipeline (or not) as the capture did
-            with overlap.overlap_comm(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
+            with _overlap_setting(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
                                                           enabled=args.dtype == "bf16"):
                 model.capture_cuda_graphs(args.batch, args.seq)
         return model, lambda idx, tgt: _with_overlap(on, model, idx, tgt), contextlib.nullcontext
@@ -81,8 +84,12 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
     return model, model, model.step_context
 
 
-def _with_overlap(on: bool, model, idx, targets):
-    with overlap.overlap_comm(on):
+def _overlap_setting(on: Optional[bool]):
+    return contextlib.nullcontext() if on is None else overlap.overlap_comm(on)
+
+
+def _with_overlap(on: Optional[bool], model, idx, targets):
+    with _overlap_setting(on):
         return model(idx, targets)
 
 

@@ -10,7 +10,7 @@ timeout 150 python3 -m pytest -q tests/distributed/test_comm.py tests/distribute
   -p no:cacheprovider -rfE 2>&1 | tail -3
 bench() {  # backend models
   TPFLASH_COMM_BACKEND=$1 timeout 100 $RUN --nproc_per_node=2 scripts/bench_e2e.py --steps 5 --warmup 2 \
-    --no-comm-probe --tp 2 --models $2 --impls tpflash-graphs --results "$OUT/$1.jsonl" 2>&1 \
+    --no-comm-probe --tp 2 --models $2 --impls tpflash-graphs-serial --results "$OUT/$1.jsonl" 2>&1 \
     | grep "bench_e2e\]   \|Error" | cut -c1-260 | sed "s/^/$1: /"
 }
 for models in ${MODELS:-gpt-2.7b gpt-2.7b gpt-1.3b}; do

@@ -7,7 +7,7 @@ source "$(dirname "$0")/gpu_env.sh"
 MODELS=${1:-gpt-1.3b,gpt-2.7b}
 E2E="scripts/bench_e2e.py --steps 5 --warmup 2 --no-comm-probe --results $OUT/graphs.jsonl"
 timeout 150 python3 -m pytest -q -m gpu tests/distributed/test_graphed_blocks.py -rfE -p no:cacheprovider > "$OUT/pytest.txt" 2>&1
-timeout 200 $RUN --nproc_per_node=2 $E2E --tp 2 --models $MODELS --impls tpflash-graphs,tpflash-graphs-overlap \
+timeout 200 $RUN --nproc_per_node=2 $E2E --tp 2 --models $MODELS --impls tpflash-graphs-serial,tpflash-graphs-overlap \
   2>&1 | grep "bench_e2e\]   \|Error" | cut -c1-300
 TPFLASH_OVERLAP_PIECES=2 timeout 100 $RUN --nproc_per_node=2 $E2E --tp 2 --models gpt-2.7b --impls tpflash-graphs-overlap \
   2>&1 | grep "bench_e2e\]   \|Error" | cut -c1-300

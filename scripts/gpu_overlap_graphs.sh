@@ -12,7 +12,7 @@ rows() { grep "bench_e2e\]   \|Error\|error" | grep -v "^\[rank" | cut -c1-250 |
 timeout 200 $RUN --nproc_per_node=1 $E2E --tp 1 --models gpt-1.3b --impls tpflash-graphs,plain-compile --profile \
   --profile-top 45 --results "$OUT/tp1.jsonl" > "$OUT/tp1_profile.txt" 2>&1
 grep "bench_e2e\]   \|GPU busy" "$OUT/tp1_profile.txt" | cut -c1-250
-timeout 120 $RUN --nproc_per_node=2 $E2E --tp 2 --models $MODEL --impls tpflash-graphs,tpflash-graphs-overlap \
+timeout 120 $RUN --nproc_per_node=2 $E2E --tp 2 --models $MODEL --impls tpflash-graphs-serial,tpflash-graphs-overlap \
   --results "$OUT/tp2.jsonl" 2>&1 | rows "serial vs pieces k=4"
 for variant in "1 0" "2 8" "1 8" "4 8" "2 4"; do
   set -- $variant

@@ -12,7 +12,7 @@ TPFLASH_TEST_TIMEOUT=90 timeout 240 python3 -m pytest -q -m gpu tests/distribute
 E2E="scripts/bench_e2e.py --steps 5 --warmup 2 --no-comm-probe --tp 2"
 rows() { grep "bench_e2e\]   \|Error\|error" | grep -v "^\[rank" | cut -c1-250 | sed "s/^/$1: /"; }
 for models in ${MODELS:-gpt-2.7b gpt-1.3b gpt-2.7b}; do
-  timeout 100 $RUN --nproc_per_node=2 $E2E --models $models --impls tpflash-graphs \
+  timeout 100 $RUN --nproc_per_node=2 $E2E --models $models --impls tpflash-graphs-serial \
     --results "$OUT/tp2.jsonl" 2>&1 | rows serial
   TPFLASH_OVERLAP_BACKEND=copy_engine timeout 100 $RUN --nproc_per_node=2 $E2E --models $models \
     --impls tpflash-graphs-overlap --results "$OUT/tp2.jsonl" 2>&1 | rows copy_engine

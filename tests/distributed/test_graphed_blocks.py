@@ -58,7 +58,8 @@ def _environment(**settings):
 def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, overlap_backend="pieces",
                comm_backend="auto"):
     """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager (both with
-    the collectives pipelined when `overlap_on`, by `overlap_backend`; serial ones by `comm_backend`)."""
+    the collectives pipelined when `overlap_on`, by `overlap_backend`; serial ones by `comm_backend`;
+    overlap_on=None: the library's default setting)."""
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel), device)
     calls = []  # all-gathers through the copy engines (tpflash.parallel.peer_collectives)
@@ -71,12 +72,12 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
 
     peer_collectives.PeerAllGather = Counted
     try:
-        with _environment(TPFLASH_OVERLAP_BACKEND=overlap_backend, TPFLASH_COMM_BACKEND=comm_backend), \
-                overlap.overlap_comm(overlap_on):
+        setting = contextlib.nullcontext() if overlap_on is None else overlap.overlap_comm(overlap_on)
+        with _environment(TPFLASH_OVERLAP_BACKEND=overlap_backend, TPFLASH_COMM_BACKEND=comm_backend), setting:
             _train(graphed, eager, device, steps, micro_batches)
     finally:
         peer_collectives.PeerAllGather = real
-    through_peers = not overlap_on and comm_backend != "nccl" or overlap_on and overlap_backend == "copy_engine"
+    through_peers = comm_backend != "nccl" and (overlap_on is False or overlap_backend in ("auto", "copy_engine"))
     if device.type == "cuda" and tp > 1 and sequence_parallel and through_peers:
         # the default sends captured collectives through the copy engines on GPUs with peer access (test
         # machines); the copy_engine overlap backend sends its transfers there in any case
@@ -216,9 +217,10 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("overlap_on,backend,comm_backend",
                          [(False, "pieces", "auto"), (False, "pieces", "nccl"), (False, "pieces", "copy_engine"),
-                          (True, "pieces", "auto"), (True, "symm_mem", "auto"), (True, "copy_engine", "auto")],
+                          (True, "pieces", "auto"), (True, "symm_mem", "auto"), (True, "copy_engine", "auto"),
+                          (None, "auto", "auto")],
                          ids=["serial-default", "serial-nccl", "serial-copy_engine", "overlap-pieces",
-                              "overlap-symm_mem", "overlap-copy_engine"])
+                              "overlap-symm_mem", "overlap-copy_engine", "defaults"])
 def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on, backend,
                                                               comm_backend):
     if torch.cuda.device_count() < 2:

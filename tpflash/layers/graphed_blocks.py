@@ -15,10 +15,12 @@ What a replay assumes, checked where it can be:
 - parameters stay where they were (in-place optimizer updates are fine; re-materialising them,
   e.g. FSDP, is not), no dropout (its random stream would not advance), no activation
   checkpointing; overlap, if on at capture, is replayed as captured whatever the setting at
-  replay (both backends: "pieces", and "symm_mem", whose workspace the warm-up passes size so that
-  capture allocates nothing); the serial tp collectives are captured through the copy engines
-  where the GPUs can map each other's memory (TPFLASH_COMM_BACKEND's default, "auto": measured
-  faster than NCCL there), else through NCCL;
+  replay (every backend; the warm-up passes size the symmetric-memory workspaces so that capture
+  allocates nothing). Unless overlap is set (TPFLASH_OVERLAP, `overlap_comm`), the capture
+  overlaps the tp collectives with the GEMMs through the copy engines ("copy_engine" backend)
+  where the GPUs can map each other's memory (measured faster than serial collectives there),
+  else captures serial NCCL collectives; serial collectives asked for go through the copy engines
+  where they can (TPFLASH_COMM_BACKEND's default, "auto"), else through NCCL;
 - the stack's outputs and gradients live in the graphs' memory: a tensor kept from one replay is
   overwritten by the next. Parameter gradients are the exception made safe: a `.grad` still
   holding graph memory when a forward replays (gradient accumulation) is copied out first, once

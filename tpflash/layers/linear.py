@@ -11,7 +11,9 @@ is one contiguous collective with no copy (the layers take `seq_dim` for other l
 
 Under sequence parallelism (seq_dim 0, tp > 1) the all-gather / reduce-scatter can be pipelined
 with the GEMM (tpflash.parallel.overlap): with `overlap=True`, or with `overlap=None` (default)
-inside `overlap_comm(True)` or under TPFLASH_OVERLAP=1 (off otherwise). Results agree either way.
+inside `overlap_comm(True)` or under TPFLASH_OVERLAP=1; with neither set, for the work CUDA graphs
+capture where the GPUs map each other's memory (copy-engine transfers), and nowhere else. Results
+agree either way.
 """
 from __future__ import annotations
 
@@ -52,14 +54,17 @@ def _check_divisible(name: str, value: int, tp: int) -> None:
         raise ValueError(f"{name}={value} is not divisible by tp={tp}")
 
 
-def _overlap_applies(sequence_parallel: bool, seq_dim: int, group, overlap: Optional[bool]) -> bool:
-    """Whether the overlapped path is taken: SP on dim 0 over tp > 1 with overlap enabled."""
-    return sequence_parallel and seq_dim == 0 and group_size(group) > 1 and _overlap.resolve_overlap(overlap)
+def _overlap_applies(sequence_parallel: bool, seq_dim: int, group, overlap: Optional[bool],
+                     x: Optional[torch.Tensor] = None) -> bool:
+    """Whether the overlapped path is taken for input x: SP on dim 0 over tp > 1 with overlap on
+    (the flag, the global setting, or the default for x: tpflash.parallel.overlap.resolve_overlap)."""
+    return (sequence_parallel and seq_dim == 0 and group_size(group) > 1
+            and _overlap.resolve_overlap(overlap, x, group))
 
 
-def _pipelined(layer: nn.Module) -> bool:
-    """Whether a Column/RowParallelLinear takes the overlapped path now."""
-    return _overlap_applies(layer.sequence_parallel, layer.seq_dim, layer.process_group, layer.overlap)
+def _pipelined(layer: nn.Module, x: Optional[torch.Tensor] = None) -> bool:
+    """Whether a Column/RowParallelLinear takes the overlapped path now (for input x)."""
+    return _overlap_applies(layer.sequence_parallel, layer.seq_dim, layer.process_group, layer.overlap, x)
 
 
 def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -73,7 +78,7 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     tpflash.parallel.overlap) and its gradient reduce-scattered; otherwise x is replicated and
     its gradient all-reduced. Returns [seq, b, out_i/tp] per weight. Process group: `group`.
     """
-    if _overlap_applies(sequence_parallel, seq_dim, group, overlap):
+    if _overlap_applies(sequence_parallel, seq_dim, group, overlap, x):
         return list(_overlap.all_gather_linear(x, weights, biases, group, save_gathered_input))
     x = column_parallel_input(x, group, sequence_parallel, seq_dim)  # [seq, *, in]
     return linears(x, weights, biases)  # one GEMM over the stacked weights
@@ -164,7 +169,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.split_along_dim(x, -1, self.process_group)
-        if _pipelined(self):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
+        if _pipelined(self, x):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
             y = _overlap.linear_reduce_scatter(x, self.weight, self.process_group)  # [seq/tp, *, out]
             return self.add_bias(y)
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue

@@ -26,12 +26,14 @@ CPU/gloo the same code runs with asynchronous work handles, which is what the te
 (A first version passed whole tp-chunks around a ring of NCCL send/recv; on 2 H200s it was
 slower than no overlap at all, see docs/overlap.md, so pieces now go through NCCL's collectives.)
 
-The switch: `overlap_enabled()` is off unless TPFLASH_OVERLAP=1, and `overlap_comm(True)` turns
-it on inside a `with` block; layers built with `overlap=None` ask at every forward. Results are
-the same either way up to the order of floating-point sums. TPFLASH_OVERLAP_PIECES sets k (4).
-TPFLASH_OVERLAP_BACKEND=symm_mem swaps the pieces for PyTorch's symmetric-memory collective
-matmuls on CUDA (tpflash.parallel.symm_overlap), and =copy_engine for one GEMM per rank's rows beside
-copy-engine transfers (tpflash.parallel.peer_overlap); the switch and the entry points stay the same.
+The switch: TPFLASH_OVERLAP=1/0, or `overlap_comm(True/False)` inside a `with` block; layers built
+with `overlap=None` ask at every forward (`resolve_overlap`). Unset, overlap is on only for the work
+CUDA graphs capture over GPUs that map each other's memory, with the "copy_engine" backend (one GEMM
+per rank's rows beside copy-engine transfers, tpflash.parallel.peer_overlap), the one variant
+measured faster than serial collectives. Results are the same either way up to the order of
+floating-point sums. TPFLASH_OVERLAP_BACKEND picks "pieces" (this module; TPFLASH_OVERLAP_PIECES
+sets k, 4), "symm_mem" (PyTorch's symmetric-memory collective matmuls, tpflash.parallel.symm_overlap),
+"copy_engine", or "auto" (default: copy_engine where the copy engines reach, else pieces).
 """
 from __future__ import annotations
 
@@ -42,20 +44,27 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, peer_collectives
 from .state import group_size
 
 _ENV = "TPFLASH_OVERLAP"
 _forced: List[bool] = []  # stack of `overlap_comm` settings; the innermost wins
 
 
-def overlap_enabled() -> bool:
-    """Whether layers with overlap=None pipeline their collectives: the innermost `overlap_comm`
-    setting, else the environment variable TPFLASH_OVERLAP ("1"/"true"/"on" enable), else off
-    (off by default until a GPU run shows the pipelined path faster: docs/performance.md)."""
+def _explicit_setting() -> Optional[bool]:
+    """The innermost `overlap_comm` setting, else TPFLASH_OVERLAP ("1"/"true"/"on"/"yes" on, anything
+    else off), else None (unset)."""
     if _forced:
         return _forced[-1]
-    return os.environ.get(_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+    env = os.environ.get(_ENV, "").strip().lower()
+    return (env in ("1", "true", "on", "yes")) if env else None
+
+
+def overlap_enabled() -> bool:
+    """Whether overlap was asked for everywhere: the innermost `overlap_comm` setting, else
+    TPFLASH_OVERLAP, else False. (Unasked, `resolve_overlap` still overlaps the work CUDA graphs
+    capture where the copy engines can carry it: its docstring.)"""
+    return bool(_explicit_setting())
 
 
 def num_pieces(rows: int, want: Optional[int] = None) -> int:
@@ -75,31 +84,50 @@ def overlap_comm(enabled: bool = True):
         _forced.pop()
 
 
-_BACKENDS = ("pieces", "symm_mem", "copy_engine")
+_BACKENDS = ("auto", "pieces", "symm_mem", "copy_engine")
 
 
-def overlap_backend() -> str:
-    """How overlapped layers communicate (TPFLASH_OVERLAP_BACKEND): "pieces" (default; this module's
-    NCCL/gloo collectives per piece), "symm_mem" (PyTorch's symmetric-memory collective matmuls,
-    tpflash.parallel.symm_overlap; CUDA only, "pieces" elsewhere) or "copy_engine" (one GEMM per
-    rank's rows beside copy-engine transfers, tpflash.parallel.peer_overlap; where the GPUs cannot
-    map each other's memory, the same GEMMs over the group's collectives, not overlapped)."""
-    backend = os.environ.get("TPFLASH_OVERLAP_BACKEND", "pieces").strip().lower()
+def overlap_backend(x: Optional[torch.Tensor] = None, group=None) -> str:
+    """How overlapped layers communicate (TPFLASH_OVERLAP_BACKEND): "copy_engine" (one GEMM per rank's
+    rows beside copy-engine transfers, tpflash.parallel.peer_overlap; where the GPUs cannot map each
+    other's memory, the same GEMMs over the group's collectives, not overlapped), "pieces" (this
+    module's NCCL/gloo collectives per piece) or "symm_mem" (PyTorch's symmetric-memory collective
+    matmuls, tpflash.parallel.symm_overlap; CUDA only, "pieces" elsewhere). "auto" (the default):
+    "copy_engine" for x over group where its GPUs map each other's memory and TPFLASH_COMM_BACKEND
+    is not "nccl" (the only variant measured faster than serial collectives: docs/overlap.md),
+    else "pieces". With no x, "auto" itself."""
+    backend = os.environ.get("TPFLASH_OVERLAP_BACKEND", "auto").strip().lower()
     if backend not in _BACKENDS:
         raise ValueError(f"TPFLASH_OVERLAP_BACKEND={backend!r} must be one of {_BACKENDS}")
+    if backend == "auto" and x is not None:
+        return "copy_engine" if _copy_engines_reach(x, group) else "pieces"
     return backend
 
 
-def _use_symm_mem(x: torch.Tensor) -> bool:
-    if overlap_backend() != "symm_mem":
+def _copy_engines_reach(x: torch.Tensor, group) -> bool:
+    return peer_collectives.comm_backend() != "nccl" and peer_collectives.reachable(x, group)
+
+
+def _use_symm_mem(x: torch.Tensor, group) -> bool:
+    if overlap_backend(x, group) != "symm_mem":
         return False
     from . import symm_overlap
     return symm_overlap.available(x)
 
 
-def resolve_overlap(flag: Optional[bool]) -> bool:
-    """A layer's explicit `overlap` flag, or the global setting when it is None."""
-    return overlap_enabled() if flag is None else bool(flag)
+def resolve_overlap(flag: Optional[bool], x: Optional[torch.Tensor] = None, group=None) -> bool:
+    """Whether a layer pipelines its collectives now: its explicit `overlap` flag, else the global
+    setting (`overlap_comm`, TPFLASH_OVERLAP), else the default: on for the work CUDA graphs capture
+    (GraphedBlocks: `peer_collectives.for_graph_capture`) when the "copy_engine" backend serves x over
+    group with the copy engines; off elsewhere, where no variant measured faster than serial
+    collectives (docs/overlap.md). x/group: the layer's input and tp group (None: no default)."""
+    if flag is not None:
+        return bool(flag)
+    setting = _explicit_setting()
+    if setting is not None:
+        return setting
+    return (x is not None and peer_collectives.capturing_for_graphs()
+            and overlap_backend(x, group) == "copy_engine" and _copy_engines_reach(x, group))
 
 
 # ---- pipelined collectives ------------------------------------------------------------------------
@@ -304,10 +332,10 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     if group_size(group) == 1:
         return [torch.nn.functional.linear(x_local, w, b) for w, b in zip(weights, biases)]
     all_or_no_bias = len({b is None for b in biases}) == 1
-    if overlap_backend() == "copy_engine" and save_gathered_input and all_or_no_bias:
+    if overlap_backend(x_local, group) == "copy_engine" and save_gathered_input and all_or_no_bias:
         from . import peer_overlap
         return peer_overlap.all_gather_linear(x_local, weights, biases, group)
-    if _use_symm_mem(x_local):
+    if _use_symm_mem(x_local, group):
         from . import symm_overlap
         return symm_overlap.all_gather_linear(x_local, weights, biases, group)
     return list(_AllGatherLinear.apply(x_local, group, save_gathered_input, *weights, *biases))
@@ -324,10 +352,10 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None) -> 
         return torch.nn.functional.linear(h, weight)
     if h.shape[0] % world:
         raise ValueError(f"sequence length {h.shape[0]} (dim 0 of {tuple(h.shape)}) is not divisible by tp={world}")
-    if overlap_backend() == "copy_engine":
+    if overlap_backend(h, group) == "copy_engine":
         from . import peer_overlap
         return peer_overlap.linear_reduce_scatter(h, weight, group)
-    if _use_symm_mem(h):
+    if _use_symm_mem(h, group):
         from . import symm_overlap
         return symm_overlap.linear_reduce_scatter(h, weight, group)
     return _LinearReduceScatter.apply(h, weight, group)

@@ -73,6 +73,11 @@ def for_graph_capture():
         _for_graphs[0] = saved
 
 
+def capturing_for_graphs() -> bool:
+    """Whether the work issued now is inside `for_graph_capture` (a CUDA graph's warm-up or capture)."""
+    return _for_graphs[0]
+
+
 def peer_access(group) -> bool:
     """Whether every rank of `group` runs on its own GPU of one host and can map every other's memory
     (torch.cuda.can_device_access_peer), as all ranks agree. A collective on the first call per

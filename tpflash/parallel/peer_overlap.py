@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..kernels import column_sum
 from ..layers.autocast_linear import _stack, _weight_grad_fp32
 from . import comm, peer_collectives
-from .overlap import _no_autocast, _rows, linear_compute_dtype
+from .overlap import _copy_engines_reach, _no_autocast, _rows, linear_compute_dtype
 
 _side_streams = {}  # device -> the stream the copy engines' transfers are queued on
 
@@ -74,13 +74,13 @@ class _GroupReduceScatter:
 
 
 def _all_gather(x: torch.Tensor, group):
-    if peer_collectives.reachable(x, group):
+    if _copy_engines_reach(x, group):
         return peer_collectives.PeerAllGather(x, group, _side_stream(x.device))
     return _GroupAllGather(x, group)
 
 
 def _reduce_scatter(group, shape, like: torch.Tensor):
-    if peer_collectives.reachable(like, group):
+    if _copy_engines_reach(like, group):
         return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, _side_stream(like.device))
     return _GroupReduceScatter(group, shape, like.dtype, like.device)
 
