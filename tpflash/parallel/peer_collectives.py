@@ -27,6 +27,7 @@ tensors, world > 1).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -59,6 +60,11 @@ def available(x: torch.Tensor, group) -> bool:
     with symmetric memory."""
     if group is None or not x.is_cuda or dist.get_world_size(group) == 1:
         return False
+    return _has_symmetric_memory()
+
+
+@functools.lru_cache(maxsize=None)
+def _has_symmetric_memory() -> bool:  # once: layers ask at every call under overlap
     return importlib.util.find_spec("torch.distributed._symmetric_memory") is not None
 
 
