@@ -176,3 +176,31 @@ def test_linears_reject_a_weight_of_another_input_size_naming_it():
     with pytest.raises(ValueError, match="3 weights but 2 biases"):
         linears(x, ws, bs[:2])
 
+
+
+def _weight_grad_summed_over_row_blocks(device):
+    """_weight_grad_fp32(..., into=acc) adds block after block: the sum over row blocks equals the
+    weight gradient of all rows at once (to fp32 rounding with the fp32-output GEMM; on CPU each
+    block's product is a bf16 GEMM's, rounded once more)."""
+    torch.manual_seed(0)
+    g = torch.randn(64, 24, device=device).to(torch.bfloat16)
+    x = torch.randn(64, 32, device=device).to(torch.bfloat16)
+    whole = autocast_linear._weight_grad_fp32(g, x)
+    acc = None
+    for rows in (slice(0, 16), slice(16, 48), slice(48, 64)):
+        acc = autocast_linear._weight_grad_fp32(g[rows], x[rows], into=acc)
+    assert acc.dtype == torch.float32 and acc.shape == (24, 32)
+    tol = torch.float32 if g.is_cuda else torch.bfloat16
+    assert_rel(acc, whole, tol, "weight grad summed over row blocks", scale=10)
+    fp32 = autocast_linear._weight_grad_fp32(g[:16].float(), x[:16].float(), into=torch.zeros(24, 32, device=device))
+    assert_rel(fp32, g[:16].float().t() @ x[:16].float(), torch.float32, "fp32 inputs")
+
+
+def test_weight_grad_sums_over_row_blocks():
+    _weight_grad_summed_over_row_blocks("cpu")
+
+
+@pytest.mark.gpu
+def test_weight_grad_sums_over_row_blocks_with_the_fp32_output_gemm_on_gpu():
+    _weight_grad_summed_over_row_blocks(DEVICE)
+    assert autocast_linear._ADDMM_OUT_DTYPE[0] is True, "torch.addmm(out_dtype=float32, out=) was not used"

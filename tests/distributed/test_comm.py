@@ -240,3 +240,89 @@ def test_copy_engine_backend_falls_back_to_the_group_on_cpu(ranks, tp):
     if torch.cuda.is_available():
         pytest.skip("the CPU fallback; on GPUs test_copy_engine_collectives_equal_nccl covers the backend")
     ranks(tp).run(copy_engine_on_cpu_body, tp)
+
+
+class _FakeWorkspace:
+    def __init__(self):
+        self.barriers = 0
+
+    def barrier(self):
+        self.barriers += 1
+
+
+def test_calls_inside_a_graph_epoch_alternate_buffers_per_workspace():
+    from tpflash.parallel import peer_collectives
+    a, b = _FakeWorkspace(), _FakeWorkspace()
+    assert peer_collectives._buffer_turn(a) is None, "outside an epoch: buffer 0 and two barriers"
+    with peer_collectives.graph_epoch():
+        assert [peer_collectives._buffer_turn(ws) for ws in (a, a, b, a)] == [0, 1, 0, 0]
+    assert peer_collectives._buffer_turn(a) is None
+
+
+def test_a_graph_epoch_ends_with_a_barrier_only_where_the_last_call_used_buffer_0():
+    from tpflash.parallel import peer_collectives
+    even, odd, unused = _FakeWorkspace(), _FakeWorkspace(), _FakeWorkspace()
+    with peer_collectives.graph_epoch():
+        for ws in (even, odd, even):
+            peer_collectives._buffer_turn(ws)
+    assert (even.barriers, odd.barriers, unused.barriers) == (0, 1, 0)
+
+
+def test_a_graph_epoch_left_by_an_error_issues_no_barrier():
+    from tpflash.parallel import peer_collectives
+    ws = _FakeWorkspace()
+    with pytest.raises(RuntimeError), peer_collectives.graph_epoch():
+        peer_collectives._buffer_turn(ws)
+        raise RuntimeError("capture failed")
+    assert ws.barriers == 0 and peer_collectives._buffer_turn(ws) is None
+
+
+def graph_epoch_body(tp):
+    """Copy-engine collectives captured in CUDA graphs (one barrier per call, alternating buffers)
+    give NCCL's results when replays of two graphs, an odd and an even number of calls, interleave
+    with each other and with eager copy-engine calls, over several rounds of changing inputs."""
+    from tpflash.parallel import peer_collectives
+    ps = init_tp(tp)
+    torch.manual_seed(ps.tp_rank)
+    shard = torch.randn(tp * 256, 8, 64, device=ps.device, dtype=torch.bfloat16)
+    full = torch.randn(tp * 512, 8, 64, device=ps.device, dtype=torch.bfloat16)
+
+    def odd():  # three calls: the epoch ends with a fence
+        g = peer_collectives.all_gather(shard, ps.tp_group)
+        return g, peer_collectives.reduce_scatter(full, ps.tp_group), peer_collectives.all_gather(g[:tp * 256], ps.tp_group)
+
+    def even():  # two calls
+        return peer_collectives.reduce_scatter(full * 2, ps.tp_group), peer_collectives.all_gather(full, ps.tp_group)
+
+    for fn in (odd, even):  # warm-up: sizes the workspace before capture
+        fn()
+    torch.cuda.synchronize()
+    graphs, outs = {}, {}
+    for name, fn in (("odd", odd), ("even", even)):
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]), peer_collectives.graph_epoch():
+            outs[name] = fn()
+    nccl = {"odd": lambda: (comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
+                            comm.all_gather(comm.all_gather(shard, 0, ps.tp_group)[:tp * 256], 0, ps.tp_group)),
+            "even": lambda: (comm.reduce_scatter(full * 2, 0, ps.tp_group), comm.all_gather(full, 0, ps.tp_group))}
+    for step, order in enumerate(["odd", "even", "odd", "odd", "even", "even", "eager", "odd", "eager", "even"]):
+        shard.add_(1)
+        full.mul_(-1)
+        if order == "eager":
+            got, want = odd(), nccl["odd"]()
+        else:
+            graphs[order].replay()
+            got, want = outs[order], nccl[order]()
+        for g, w in zip(got, want):
+            if tp == 2:  # one bf16 add in either reduce-scatter: bit for bit
+                assert torch.equal(g, w), f"step {step} ({order})"
+            else:
+                assert_close(g, w, f"step {step} ({order})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+def test_copy_engine_collectives_in_graph_epochs_equal_nccl(ranks, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ranks(tp).run(graph_epoch_body, tp)

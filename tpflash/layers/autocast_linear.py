@@ -22,22 +22,29 @@ import torch.nn.functional as F
 from ..kernels import column_sum
 
 _MM_OUT_DTYPE = [None]  # whether torch.mm(..., out_dtype=) works here; found on first use
+_ADDMM_OUT_DTYPE = [None]  # the same for torch.addmm(..., out_dtype=, out=)
 
 
-def _weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """grad_y^T x in fp32: [rows, out]^T [rows, in] -> [out, in]."""
+def _weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """grad_y^T x in fp32: [rows, out]^T [rows, in] -> [out, in]; added in place to `into` (fp32
+    [out, in]) when given, so that a weight gradient can be summed over row blocks GEMM by GEMM."""
     if grad_y.dtype == torch.float32:
-        return torch.mm(grad_y.t(), x)
-    if _MM_OUT_DTYPE[0] is not False and grad_y.is_cuda:
+        return torch.mm(grad_y.t(), x) if into is None else into.addmm_(grad_y.t(), x)
+    flag = _MM_OUT_DTYPE if into is None else _ADDMM_OUT_DTYPE
+    if flag[0] is not False and grad_y.is_cuda:
         try:
-            out = torch.mm(grad_y.t(), x, out_dtype=torch.float32)
-            _MM_OUT_DTYPE[0] = True
+            if into is None:
+                out = torch.mm(grad_y.t(), x, out_dtype=torch.float32)
+            else:
+                out = torch.addmm(into, grad_y.t(), x, out_dtype=torch.float32, out=into)
+            flag[0] = True
             return out
         except torch.OutOfMemoryError:  # a real failure, not a missing overload
             raise
         except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm.dtype for these inputs
-            _MM_OUT_DTYPE[0] = False
-    return torch.mm(grad_y.t(), x).float()
+            flag[0] = False
+    product = torch.mm(grad_y.t(), x).float()
+    return product if into is None else into.add_(product)
 
 
 def _stack(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

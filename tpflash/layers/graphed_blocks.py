@@ -65,7 +65,8 @@ class _CudaGraph:
     def capture(self, fn: Callable[[], None]) -> None:
         # thread_local: the NCCL watchdog thread may query events while this thread captures
         with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
-            fn()
+            with peer_collectives.graph_epoch():  # copy-engine collectives: one barrier each, not two
+                fn()
 
     def replay(self) -> None:
         self.graph.replay()

@@ -15,14 +15,18 @@ GiB/s, a read at 284. `PeerAllGather` and `PeerReduceScatter` are the same two c
 their parts exposed, so that GEMMs can consume or produce them one rank's part at a time while
 the copy engines move the others on a side stream (tpflash.parallel.peer_overlap).
 
-Synchronisation: one buffer per group and device, and two device-side barriers per call (tiny
-kernels on the current stream): the first says every rank has written, the last that every rank
-has finished reading, so the next call may write again. No state lives on the host between calls,
-which is what lets a CUDA graph capture these calls and replay them in any interleaving with eager
-ones (an earlier version alternated two buffers with one barrier per call; the alternation was host
-state that a replay would not advance). Calls on a group must be issued in the same order on every
-rank, one at a time, which holds for the layers' collectives. Process group: the one given (CUDA
-tensors, world > 1).
+Synchronisation: device-side barriers (tiny kernels on the stream) over one workspace per group and
+device that holds two buffers. A call outside a `graph_epoch` writes buffer 0 and pays two barriers:
+the first says every rank has written, the last that every rank has finished reading, so whatever
+comes next may write again; no state lives on the host between such calls. Inside a `graph_epoch`
+(the body of a CUDA graph capture) the calls alternate the buffers, 0, 1, 0, ..., and pay only the
+first barrier: a rank writes buffer b at call k only after passing call k-1's barrier, which every
+peer reaches only after its reads of call k-2, the last user of buffer b. The alternation is fixed
+in the graph at capture, so every epoch starts at buffer 0 and ends in a state any caller may
+write buffer 0 from: its last call used buffer 1, or the epoch ends with one more barrier (the
+fence). Replays of such graphs and eager calls then interleave in any order. Calls on a group must
+be issued in the same order on every rank, one at a time, which holds for the layers' collectives.
+Process group: the one given (CUDA tensors, world > 1).
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ _ENV = "TPFLASH_COMM_BACKEND"
 BACKENDS = ("auto", "nccl", "copy_engine")
 _ALIGN = 512  # bytes; keeps every slot aligned for vectorised copies
 _for_graphs = [False]  # inside for_graph_capture()
+_epochs: List["_GraphEpoch"] = []  # the graph_epoch open now, if any (a stack: epochs do not nest in practice)
 _peer_access: Dict[int, bool] = {}  # id(group) -> the group's agreed verdict
 
 
@@ -185,6 +190,43 @@ def _side_wait_back(stream: torch.cuda.Stream) -> None:
         torch.cuda.current_stream().wait_stream(stream)
 
 
+class _GraphEpoch:
+    """The buffer turns of the calls in one graph_epoch: per workspace 0, 1, 0, ... in call order."""
+
+    def __init__(self):
+        self.calls: Dict[int, Tuple["_Workspace", int]] = {}  # id(workspace) -> (it, calls so far), first use first
+
+    def turn(self, ws: "_Workspace") -> int:
+        """The buffer the next call on ws uses."""
+        _, count = self.calls.get(id(ws), (ws, 0))
+        self.calls[id(ws)] = (ws, count + 1)
+        return count % 2
+
+    def to_fence(self) -> List["_Workspace"]:
+        """The workspaces whose last call used buffer 0: a barrier must end the epoch on them."""
+        return [ws for ws, count in self.calls.values() if count % 2]
+
+
+@contextlib.contextmanager
+def graph_epoch():
+    """Marks the body of a CUDA graph capture: the calls inside alternate two buffers with one barrier
+    each instead of two (module docstring), and a barrier ends the epoch where the turn needs it.
+    Every rank of a group must run the same calls inside it."""
+    epoch = _GraphEpoch()
+    _epochs.append(epoch)
+    try:
+        yield
+    finally:
+        _epochs.pop()
+    for ws in epoch.to_fence():  # first use first: the same order on every rank of its group
+        ws.barrier()
+
+
+def _buffer_turn(ws: "_Workspace") -> Optional[int]:
+    """The buffer a call on ws uses inside the open graph_epoch (None outside any: buffer 0, two barriers)."""
+    return _epochs[-1].turn(ws) if _epochs else None
+
+
 class PeerAllGather:
     """An all-gather of x [n, ...] along dim 0 whose parts can be used as they arrive.
 
@@ -193,31 +235,34 @@ class PeerAllGather:
     arrived parts are copied into out [world*n, ...]. `piece(r)` makes the current stream wait for
     the parts and returns rank r's [n, ...] (x itself for this rank; a peer's is a view of this
     rank's buffer, valid until `finish`). `finish()` waits for everything, ends with the barrier
-    that frees the buffers, and returns out in rank order. Issue nothing else on the group between.
+    that frees the buffers (outside a graph_epoch), and returns out in rank order (None with
+    keep=False: the parts are only used through `piece`, and nothing is copied out). Issue nothing
+    else on the group between.
     """
 
-    def __init__(self, x: torch.Tensor, group, stream: Optional[torch.cuda.Stream] = None):
+    def __init__(self, x: torch.Tensor, group, stream: Optional[torch.cuda.Stream] = None, keep: bool = True):
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.x = x.contiguous()
         self.slot = _slot_bytes(self.x.shape, self.x.dtype)
-        self.ws = _workspace(group, x.device, self.world * self.slot)
+        self.ws = _workspace(group, x.device, 2 * self.world * self.slot)
+        self.turn = _buffer_turn(self.ws)
         self.stream = stream or torch.cuda.current_stream()
-        self.out = x.new_empty((self.world * x.shape[0],) + tuple(x.shape[1:]))
-        parts = self.out.chunk(self.world)
+        self.out = x.new_empty((self.world * x.shape[0],) + tuple(x.shape[1:])) if keep else None
         _side_wait(self.stream)
         with torch.cuda.stream(self.stream):
             for r in self.order()[1:]:  # pushes: NVLink writes ran faster than reads (docs/performance.md)
                 self._view(r, self.rank).copy_(self.x)
-            parts[self.rank].copy_(self.x)
+            if keep:
+                self.out.chunk(self.world)[self.rank].copy_(self.x)
             self.ws.barrier()  # every rank's part is here
             self.arrived = torch.cuda.Event()
             self.arrived.record(self.stream)
-            for r in self.order()[1:]:
-                parts[r].copy_(self._view(self.rank, r))
+            for r in self.order()[1:] if keep else ():
+                self.out.chunk(self.world)[r].copy_(self._view(self.rank, r))
         self._waited = False
 
     def _view(self, owner: int, slot: int) -> torch.Tensor:
-        return self.ws.view(owner, slot * self.slot, self.x.shape, self.x.dtype)
+        return self.ws.view(owner, ((self.turn or 0) * self.world + slot) * self.slot, self.x.shape, self.x.dtype)
 
     def order(self) -> List[int]:
         """The ranks in the order their parts are best consumed: this rank's first (no wait), then the next ranks."""
@@ -231,9 +276,10 @@ class PeerAllGather:
             self._waited = True
         return self._view(self.rank, r)
 
-    def finish(self) -> torch.Tensor:
+    def finish(self) -> Optional[torch.Tensor]:
         _side_wait_back(self.stream)
-        self.ws.barrier()  # every rank has read its buffer: they may be written again
+        if self.turn is None:
+            self.ws.barrier()  # every rank has read its buffer: they may be written again
         return self.out
 
 
@@ -251,12 +297,13 @@ class PeerReduceScatter:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.shape, self.dtype = tuple(shape), dtype
         self.slot = _slot_bytes(self.shape, dtype)
-        self.ws = _workspace(group, device, self.world * self.slot)
+        self.ws = _workspace(group, device, 2 * self.world * self.slot)
+        self.turn = _buffer_turn(self.ws)
         self.stream = stream or torch.cuda.current_stream()
         self.sent: List[torch.Tensor] = []  # alive until the pushes are done
 
     def _view(self, owner: int, slot: int) -> torch.Tensor:
-        return self.ws.view(owner, slot * self.slot, self.shape, self.dtype)
+        return self.ws.view(owner, ((self.turn or 0) * self.world + slot) * self.slot, self.shape, self.dtype)
 
     def send(self, r: int, part: torch.Tensor) -> None:
         part = part.contiguous()
@@ -278,7 +325,8 @@ class PeerReduceScatter:
             for part in received:
                 total += part
             out = total.to(self.dtype)
-        self.ws.barrier()  # every rank has summed its slots: the buffers may be written again
+        if self.turn is None:
+            self.ws.barrier()  # every rank has summed its slots: the buffers may be written again
         self.sent = []
         return out
 

@@ -12,7 +12,8 @@ tpflash.layers.autocast_linear:
   column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
                    sent first, this rank's last; the weight-gradient GEMM runs while they travel
   row forward      y = reduce_scatter(h @ W^T)             the same sends
-  row backward     grad_h = all_gather(grad_y) @ W          as the column forward; then grad_W
+  row backward     grad_h = all_gather(grad_y) @ W,         as the column forward, the weight gradient
+                   grad_W = sum_r piece_r^T h_r              summed piece by piece beside it
 
 Activations are sequence-first ([s/tp, b, feat] per rank), so "rank r's rows" are one contiguous
 block of [s*b, feat] and every piece is a plain GEMM into a slice of the output. Where peers cannot
@@ -73,9 +74,11 @@ class _GroupReduceScatter:
         return comm.reduce_scatter(self.parts, 0, self.group)[0]
 
 
-def _all_gather(x: torch.Tensor, group):
+def _all_gather(x: torch.Tensor, group, keep: bool = True):
+    """The all-gather of x over group, parts usable as they arrive; keep=False: `finish` need not
+    return the gathered tensor (the copy engines then copy nothing out)."""
     if _copy_engines_reach(x, group):
-        return peer_collectives.PeerAllGather(x, group, _side_stream(x.device))
+        return peer_collectives.PeerAllGather(x, group, _side_stream(x.device), keep=keep)
     return _GroupAllGather(x, group)
 
 
@@ -99,6 +102,19 @@ def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: to
             torch.mm(gather.piece(r), w, out=dst)
         else:
             torch.addmm(b, gather.piece(r), w, out=dst)
+
+
+def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
+    """A row layer's two backward GEMMs over an all-gathered grad_y, rank by rank: grad_h[rows of r] =
+    piece(r) @ w, and the fp32 weight gradient sum_r piece(r)^T h[rows of r]. Summing the weight
+    gradient piece by piece gives this rank's rows twice the work to hide the first transfer behind."""
+    m = grad_h.shape[0] // len(gather.order())
+    grad_w = None
+    for r in gather.order():
+        rows, g = slice(r * m, (r + 1) * m), gather.piece(r)
+        torch.mm(g, w, out=grad_h[rows])
+        grad_w = _weight_grad_fp32(g, h[rows], into=grad_w)
+    return grad_w
 
 
 def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
@@ -176,10 +192,10 @@ class _RowLinearOverPeers(torch.autograd.Function):
     def backward(ctx, grad_y):
         h, w = ctx.saved_tensors
         with _no_autocast(h):
-            gather = _all_gather(_rows(grad_y.to(h.dtype)), ctx.group)
+            gather = _all_gather(_rows(grad_y.to(h.dtype)), ctx.group, keep=False)
             grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
-            _gather_multiply(gather, w, None, grad_h)
-            grad_w = _weight_grad_fp32(gather.finish(), _rows(h))  # [out, in/tp]
+            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h)  # [out, in/tp]
+            gather.finish()
         return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None
 
 
