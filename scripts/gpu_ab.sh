@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Same-run A/B of a training step (nvidia-h200-x2): an older tree against the working tree,
 # alternating twice at tp=2 ($TP2_MODELS, default gpt-1.3b,gpt-2.7b; impl $TP2_IMPL, default
-# tpflash-nooverlap; $ROUNDS rounds, default 2) and once at tp=1 (gpt-1.3b; impl $TP1_IMPL, default tpflash).
+# tpflash-nooverlap; $ROUNDS rounds, default 2) and once at tp=1 (gpt-1.3b; impl $TP1_IMPL, default tpflash;
+# TP1=0 skips it). With $MID set, a third tree runs between old and new in every round.
 # Timings move between machines, so compare only within one call. Make the old tree here first:
 #   mkdir -p .ab/old && git archive <rev> | tar -x -C .ab/old     (.ab ignored via .git/info/exclude)
 # then call the device tool with carry [".ab"] and: OUT=$OUT OLD=.ab/old bash scripts/gpu_ab.sh
@@ -18,7 +19,9 @@ bench() {  # tree tag nproc models impl
 TP2_MODELS=${TP2_MODELS:-gpt-1.3b,gpt-2.7b} TP2_IMPL=${TP2_IMPL:-tpflash-nooverlap} TP1_IMPL=${TP1_IMPL:-tpflash}
 for round in $(seq 1 ${ROUNDS:-2}); do
   bench "$OLD" old 2 $TP2_MODELS $TP2_IMPL
+  [ -z "${MID:-}" ] || bench "$MID" mid 2 $TP2_MODELS $TP2_IMPL
   bench . new 2 $TP2_MODELS $TP2_IMPL
 done
+[ "${TP1:-1}" = 0 ] && exit 0
 bench "$OLD" old 1 gpt-1.3b $TP1_IMPL
 bench . new 1 gpt-1.3b $TP1_IMPL

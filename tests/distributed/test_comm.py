@@ -253,41 +253,44 @@ class _FakeWorkspace:
 def test_calls_inside_a_graph_epoch_alternate_buffers_per_workspace():
     from tpflash.parallel import peer_collectives
     a, b = _FakeWorkspace(), _FakeWorkspace()
-    assert peer_collectives._buffer_turn(a) is None, "outside an epoch: buffer 0 and two barriers"
     with peer_collectives.graph_epoch():
-        assert [peer_collectives._buffer_turn(ws) for ws in (a, a, b, a)] == [0, 1, 0, 0]
-    assert peer_collectives._buffer_turn(a) is None
+        assert [peer_collectives._take_turn(ws) for ws in (a, a, b, a)] == [(0, True), (1, True), (0, True), (0, True)]
+    with peer_collectives.graph_epoch():
+        assert peer_collectives._take_turn(a) == (0, True), "every epoch starts at buffer 0"
+    outside = [peer_collectives._take_turn(a) for _ in range(2)]
+    assert {buffer for buffer, _ in outside} == {0, 1} and not any(in_epoch for _, in_epoch in outside), \
+        "outside an epoch calls alternate too (two may be open at once) and keep both barriers"
 
 
-def test_a_graph_epoch_ends_with_a_barrier_only_where_the_last_call_used_buffer_0():
+def test_a_graph_epoch_ends_with_one_barrier_on_every_workspace_it_used():
     from tpflash.parallel import peer_collectives
-    even, odd, unused = _FakeWorkspace(), _FakeWorkspace(), _FakeWorkspace()
+    twice, once, unused = _FakeWorkspace(), _FakeWorkspace(), _FakeWorkspace()
     with peer_collectives.graph_epoch():
-        for ws in (even, odd, even):
-            peer_collectives._buffer_turn(ws)
-    assert (even.barriers, odd.barriers, unused.barriers) == (0, 1, 0)
+        for ws in (twice, once, twice):
+            peer_collectives._take_turn(ws)
+    assert (twice.barriers, once.barriers, unused.barriers) == (1, 1, 0)
 
 
 def test_a_graph_epoch_left_by_an_error_issues_no_barrier():
     from tpflash.parallel import peer_collectives
     ws = _FakeWorkspace()
     with pytest.raises(RuntimeError), peer_collectives.graph_epoch():
-        peer_collectives._buffer_turn(ws)
+        peer_collectives._take_turn(ws)
         raise RuntimeError("capture failed")
-    assert ws.barriers == 0 and peer_collectives._buffer_turn(ws) is None
+    assert ws.barriers == 0 and peer_collectives._take_turn(ws)[1] is False
 
 
 def graph_epoch_body(tp):
     """Copy-engine collectives captured in CUDA graphs (one barrier per call, alternating buffers)
-    give NCCL's results when replays of two graphs, an odd and an even number of calls, interleave
-    with each other and with eager copy-engine calls, over several rounds of changing inputs."""
+    give NCCL's results when replays of two graphs, of an odd and an even number of calls,
+    interleave with each other and with eager copy-engine calls, over rounds of changing inputs."""
     from tpflash.parallel import peer_collectives
     ps = init_tp(tp)
     torch.manual_seed(ps.tp_rank)
     shard = torch.randn(tp * 256, 8, 64, device=ps.device, dtype=torch.bfloat16)
     full = torch.randn(tp * 512, 8, 64, device=ps.device, dtype=torch.bfloat16)
 
-    def odd():  # three calls: the epoch ends with a fence
+    def odd():  # three calls
         g = peer_collectives.all_gather(shard, ps.tp_group)
         return g, peer_collectives.reduce_scatter(full, ps.tp_group), peer_collectives.all_gather(g[:tp * 256], ps.tp_group)
 

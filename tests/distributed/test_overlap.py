@@ -332,9 +332,11 @@ def copy_engine_body(tp):
     peer_overlap.linear_reduce_scatter = lambda *a: calls.append("row") or real[1](*a)
     os.environ["TPFLASH_OVERLAP_BACKEND"] = "copy_engine"  # in the rank process (the pool outlives a test)
     try:
-        column_on_off_body(tp, True)
+        for save_gathered_input in (True, False, None):  # None: the backend's choice, gather again
+            column_on_off_body(tp, save_gathered_input)
         row_on_off_body(tp)
         multi_weight_body(tp, True)  # one weight without a bias: the pieces path serves it
+        multi_weight_body(tp, False)
         linear_reduce_scatter_body(tp)
         autocast_body(tp)
         block_on_off_body(tp, "swiglu", 1)

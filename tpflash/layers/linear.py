@@ -70,7 +70,7 @@ def _pipelined(layer: nn.Module, x: Optional[torch.Tensor] = None) -> bool:
 def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
                             biases: Sequence[Optional[torch.Tensor]], group, sequence_parallel: bool,
                             overlap: Optional[bool] = None, seq_dim: int = 0,
-                            save_gathered_input: bool = True) -> List[torch.Tensor]:
+                            save_gathered_input: Optional[bool] = None) -> List[torch.Tensor]:
     """[F.linear(x_full, W_i, b_i)] for column-parallel weights W_i [out_i/tp, in] sharing one input.
 
     One input collective serves them all (q/k/v, up/gate): under SP x [seq/tp, b, in] is
@@ -108,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, process_group=None, *, init_method: Optional[InitMethod] = None,
-                 seq_dim: int = 0, overlap: Optional[bool] = None, save_gathered_input: bool = True,
+                 seq_dim: int = 0, overlap: Optional[bool] = None, save_gathered_input: Optional[bool] = None,
                  device=None, dtype=None):
         super().__init__()
         self.process_group = resolve_tp_group(process_group)

@@ -318,13 +318,16 @@ class _LinearReduceScatter(torch.autograd.Function):
 
 def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
                       biases: Optional[Sequence[Optional[torch.Tensor]]] = None, group=None,
-                      save_gathered_input: bool = True) -> List[torch.Tensor]:
+                      save_gathered_input: Optional[bool] = None) -> List[torch.Tensor]:
     """[F.linear(all_gather_along_seq(x_local), W_i, b_i) for each i], the gather pipelined with the GEMMs.
 
     x_local: [s/tp, b, in] (sequence-first, this rank's tokens); W_i: [out_i/tp, in]; returns
     [s, b, out_i/tp] per weight. Several weights share one gathered input (q/k/v, up/gate).
     save_gathered_input=False keeps only x_local for backward (1/tp of the memory) and re-gathers
-    it there, hidden behind the input-gradient GEMMs. Process group: `group` (None: tp=1).
+    it there, hidden behind the input-gradient GEMMs; None (default): the backend's choice, which
+    re-gathers under "copy_engine" (the transfer rides on the copy engines) and keeps the gathered
+    input otherwise (an NCCL all-gather would take SMs from the GEMMs). Process group: `group`
+    (None: tp=1).
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
@@ -332,9 +335,10 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     if group_size(group) == 1:
         return [torch.nn.functional.linear(x_local, w, b) for w, b in zip(weights, biases)]
     all_or_no_bias = len({b is None for b in biases}) == 1
-    if overlap_backend(x_local, group) == "copy_engine" and save_gathered_input and all_or_no_bias:
+    if overlap_backend(x_local, group) == "copy_engine" and all_or_no_bias:
         from . import peer_overlap
-        return peer_overlap.all_gather_linear(x_local, weights, biases, group)
+        return peer_overlap.all_gather_linear(x_local, weights, biases, group, bool(save_gathered_input))
+    save_gathered_input = True if save_gathered_input is None else save_gathered_input
     if _use_symm_mem(x_local, group):
         from . import symm_overlap
         return symm_overlap.all_gather_linear(x_local, weights, biases, group)

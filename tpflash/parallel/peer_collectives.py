@@ -16,17 +16,17 @@ their parts exposed, so that GEMMs can consume or produce them one rank's part a
 the copy engines move the others on a side stream (tpflash.parallel.peer_overlap).
 
 Synchronisation: device-side barriers (tiny kernels on the stream) over one workspace per group and
-device that holds two buffers. A call outside a `graph_epoch` writes buffer 0 and pays two barriers:
-the first says every rank has written, the last that every rank has finished reading, so whatever
-comes next may write again; no state lives on the host between such calls. Inside a `graph_epoch`
-(the body of a CUDA graph capture) the calls alternate the buffers, 0, 1, 0, ..., and pay only the
-first barrier: a rank writes buffer b at call k only after passing call k-1's barrier, which every
-peer reaches only after its reads of call k-2, the last user of buffer b. The alternation is fixed
-in the graph at capture, so every epoch starts at buffer 0 and ends in a state any caller may
-write buffer 0 from: its last call used buffer 1, or the epoch ends with one more barrier (the
-fence). Replays of such graphs and eager calls then interleave in any order. Calls on a group must
-be issued in the same order on every rank, one at a time, which holds for the layers' collectives.
-Process group: the one given (CUDA tensors, world > 1).
+device that holds two buffers; successive calls alternate them, 0, 1, 0, ..., so that two calls
+may be open at once (an all-gather of x still being read while a reduce-scatter is sent). A call
+outside a `graph_epoch` pays two barriers: the first says every rank has written, the last that
+every rank has finished reading, so whatever comes next may write either buffer. Inside a
+`graph_epoch` (the body of a CUDA graph capture) a call pays only the first: a rank writes buffer
+b at call k only after passing call k-1's barrier, which every peer reaches only after its reads
+of call k-2, the last user of buffer b (each call's reads are queued before the next call's
+barrier). The turns are fixed in the graph at capture, and the epoch ends with one more barrier
+(the fence), after which either buffer is free as after an eager call: replays of such graphs and
+eager calls then interleave in any order. Calls on a group must be issued in the same order on every rank, which holds for the
+layers' collectives. Process group: the one given (CUDA tensors, world > 1).
 """
 from __future__ import annotations
 
@@ -190,41 +190,46 @@ def _side_wait_back(stream: torch.cuda.Stream) -> None:
         torch.cuda.current_stream().wait_stream(stream)
 
 
-class _GraphEpoch:
-    """The buffer turns of the calls in one graph_epoch: per workspace 0, 1, 0, ... in call order."""
+class _Turns:
+    """Which of its two buffers each call on a workspace uses: 0, 1, 0, ... in call order."""
 
     def __init__(self):
         self.calls: Dict[int, Tuple["_Workspace", int]] = {}  # id(workspace) -> (it, calls so far), first use first
 
-    def turn(self, ws: "_Workspace") -> int:
+    def take(self, ws: "_Workspace") -> int:
         """The buffer the next call on ws uses."""
         _, count = self.calls.get(id(ws), (ws, 0))
         self.calls[id(ws)] = (ws, count + 1)
         return count % 2
 
-    def to_fence(self) -> List["_Workspace"]:
-        """The workspaces whose last call used buffer 0: a barrier must end the epoch on them."""
-        return [ws for ws, count in self.calls.values() if count % 2]
+    def used(self) -> List["_Workspace"]:
+        """The workspaces called on, first use first."""
+        return [ws for ws, _ in self.calls.values()]
+
+
+_eager_turns = _Turns()  # calls outside any graph_epoch: two barriers each, so any buffer is free after
 
 
 @contextlib.contextmanager
 def graph_epoch():
-    """Marks the body of a CUDA graph capture: the calls inside alternate two buffers with one barrier
-    each instead of two (module docstring), and a barrier ends the epoch where the turn needs it.
-    Every rank of a group must run the same calls inside it."""
-    epoch = _GraphEpoch()
+    """Marks the body of a CUDA graph capture: the calls inside pay one barrier each instead of two
+    (module docstring), and one more barrier per workspace used (the fence) ends the epoch. Every
+    rank of a group must run the same calls inside it."""
+    epoch = _Turns()
     _epochs.append(epoch)
     try:
         yield
     finally:
         _epochs.pop()
-    for ws in epoch.to_fence():  # first use first: the same order on every rank of its group
+    for ws in epoch.used():  # first use first: the same order on every rank of its group
         ws.barrier()
 
 
-def _buffer_turn(ws: "_Workspace") -> Optional[int]:
-    """The buffer a call on ws uses inside the open graph_epoch (None outside any: buffer 0, two barriers)."""
-    return _epochs[-1].turn(ws) if _epochs else None
+def _take_turn(ws: "_Workspace") -> Tuple[int, bool]:
+    """(the buffer a call on ws uses, whether its closing barrier is left out: inside a graph_epoch)."""
+    if _epochs:
+        return _epochs[-1].take(ws), True
+    return _eager_turns.take(ws), False
 
 
 class PeerAllGather:
@@ -236,8 +241,8 @@ class PeerAllGather:
     the parts and returns rank r's [n, ...] (x itself for this rank; a peer's is a view of this
     rank's buffer, valid until `finish`). `finish()` waits for everything, ends with the barrier
     that frees the buffers (outside a graph_epoch), and returns out in rank order (None with
-    keep=False: the parts are only used through `piece`, and nothing is copied out). Issue nothing
-    else on the group between.
+    keep=False: the parts are only used through `piece`, and nothing is copied out). At most one
+    other call on the group may be issued in between, and the parts must be used before it finishes.
     """
 
     def __init__(self, x: torch.Tensor, group, stream: Optional[torch.cuda.Stream] = None, keep: bool = True):
@@ -245,7 +250,7 @@ class PeerAllGather:
         self.x = x.contiguous()
         self.slot = _slot_bytes(self.x.shape, self.x.dtype)
         self.ws = _workspace(group, x.device, 2 * self.world * self.slot)
-        self.turn = _buffer_turn(self.ws)
+        self.buffer, self.in_epoch = _take_turn(self.ws)
         self.stream = stream or torch.cuda.current_stream()
         self.out = x.new_empty((self.world * x.shape[0],) + tuple(x.shape[1:])) if keep else None
         _side_wait(self.stream)
@@ -262,7 +267,7 @@ class PeerAllGather:
         self._waited = False
 
     def _view(self, owner: int, slot: int) -> torch.Tensor:
-        return self.ws.view(owner, ((self.turn or 0) * self.world + slot) * self.slot, self.x.shape, self.x.dtype)
+        return self.ws.view(owner, (self.buffer * self.world + slot) * self.slot, self.x.shape, self.x.dtype)
 
     def order(self) -> List[int]:
         """The ranks in the order their parts are best consumed: this rank's first (no wait), then the next ranks."""
@@ -278,7 +283,7 @@ class PeerAllGather:
 
     def finish(self) -> Optional[torch.Tensor]:
         _side_wait_back(self.stream)
-        if self.turn is None:
+        if not self.in_epoch:
             self.ws.barrier()  # every rank has read its buffer: they may be written again
         return self.out
 
@@ -298,12 +303,12 @@ class PeerReduceScatter:
         self.shape, self.dtype = tuple(shape), dtype
         self.slot = _slot_bytes(self.shape, dtype)
         self.ws = _workspace(group, device, 2 * self.world * self.slot)
-        self.turn = _buffer_turn(self.ws)
+        self.buffer, self.in_epoch = _take_turn(self.ws)
         self.stream = stream or torch.cuda.current_stream()
         self.sent: List[torch.Tensor] = []  # alive until the pushes are done
 
     def _view(self, owner: int, slot: int) -> torch.Tensor:
-        return self.ws.view(owner, ((self.turn or 0) * self.world + slot) * self.slot, self.shape, self.dtype)
+        return self.ws.view(owner, (self.buffer * self.world + slot) * self.slot, self.shape, self.dtype)
 
     def send(self, r: int, part: torch.Tensor) -> None:
         part = part.contiguous()
@@ -325,7 +330,7 @@ class PeerReduceScatter:
             for part in received:
                 total += part
             out = total.to(self.dtype)
-        if self.turn is None:
+        if not self.in_epoch:
             self.ws.barrier()  # every rank has summed its slots: the buffers may be written again
         self.sent = []
         return out

@@ -11,6 +11,7 @@ tpflash.layers.autocast_linear:
                    copy engines move the others; each peer's rows are multiplied once they are here
   column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
                    sent first, this rank's last; the weight-gradient GEMM runs while they travel
+                   (by rank, over x gathered again beside the first GEMM, unless x was kept)
   row forward      y = reduce_scatter(h @ W^T)             the same sends
   row backward     grad_h = all_gather(grad_y) @ W,         as the column forward, the weight gradient
                    grad_W = sum_r piece_r^T h_r              summed piece by piece beside it
@@ -117,6 +118,16 @@ def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torc
     return grad_w
 
 
+def _weight_grad_over_gathered(grad_y: torch.Tensor, gather) -> torch.Tensor:
+    """grad_y^T all_gather(x) in fp32, summed rank by rank over the gathered pieces: grad_y [world*m,
+    out], pieces [m, in] -> [out, in]."""
+    m = grad_y.shape[0] // len(gather.order())
+    grad_w = None
+    for r in gather.order():
+        grad_w = _weight_grad_fp32(grad_y[r * m:(r + 1) * m], gather.piece(r), into=grad_w)
+    return grad_w
+
+
 def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
     """reduce_scatter(a @ w): a [world*m, k], w [k, n] -> this rank's summed rows [m, n]; the rows due
     to each peer are sent while the next rows are multiplied. The caller's work queued before the
@@ -136,43 +147,52 @@ def _send_parts(a: torch.Tensor, w: torch.Tensor, group):
 
 
 class _ColumnLinearOverPeers(torch.autograd.Function):
-    """ys_i = all_gather_seq(x_local) @ W_i^T + b_i: x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp]."""
+    """ys_i = all_gather_seq(x_local) @ W_i^T + b_i: x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp].
+    save_gathered: keep the gathered input for the weight gradient, else gather it again there."""
 
     @staticmethod
-    def forward(ctx, x_local, group, n, *params):
+    def forward(ctx, x_local, group, save_gathered, n, *params):
         weights, biases = params[:n], params[n:]
         dtype = linear_compute_dtype(x_local)
         ctx.group, ctx.x_dtype, ctx.local_shape = group, x_local.dtype, x_local.shape
-        ctx.sizes = [w.shape[0] for w in weights]
+        ctx.sizes, ctx.save_gathered = [w.shape[0] for w in weights], save_gathered
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         rows = _rows(x_local.to(dtype))  # [s/tp*b, in]
         world = dist.get_world_size(group)
         with _no_autocast(rows):
             w_c = _stack(weights, dtype)  # [sum out_i/tp, in]
             b_c = None if biases[0] is None else _stack(biases, dtype)
-            gather = _all_gather(rows, group)
+            gather = _all_gather(rows, group, keep=save_gathered)
             out = rows.new_empty((world * rows.shape[0], w_c.shape[0]))  # [s*b, sum out_i/tp]
             _gather_multiply(gather, w_c.t(), b_c, out)
-            x_full = gather.finish()  # [s*b, in], kept for the weight gradient
-        ctx.save_for_backward(x_full, w_c)
+            x_full = gather.finish()  # [s*b, in] (None when not kept)
+        ctx.save_for_backward(x_full if save_gathered else rows, w_c)
         lead = (world * x_local.shape[0],) + tuple(x_local.shape[1:-1])
         return tuple(out.view(lead + (w_c.shape[0],)).split(ctx.sizes, dim=-1))
 
     @staticmethod
     def backward(ctx, *grad_ys):
-        x_full, w_c = ctx.saved_tensors
-        n = len(ctx.sizes)
-        grads = [torch.zeros(x_full.shape[:1] + (size,), dtype=w_c.dtype, device=w_c.device) if g is None
+        x_saved, w_c = ctx.saved_tensors  # x_saved: [s*b, in], or [s/tp*b, in] to gather again
+        n, world = len(ctx.sizes), dist.get_world_size(ctx.group)
+        rows = x_saved.shape[0] * (1 if ctx.save_gathered else world)
+        grads = [torch.zeros((rows, size), dtype=w_c.dtype, device=w_c.device) if g is None
                  else _rows(g).to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]
         grad_y = grads[0].contiguous() if n == 1 else torch.cat(grads, dim=-1)  # [s*b, sum out]
-        with _no_autocast(x_full):
+        with _no_autocast(x_saved):
+            gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False)  # beside the GEMMs
             pending, own = _send_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
-            grad_w = _weight_grad_fp32(grad_y, x_full).split(ctx.sizes)  # ... the weight gradient is computed
-            has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:])
+            if gather is None:  # ... the weight gradient is computed
+                grad_w = _weight_grad_fp32(grad_y, x_saved)
+            else:
+                grad_w = _weight_grad_over_gathered(grad_y, gather)
+            grad_w = grad_w.split(ctx.sizes)
+            has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[4 + n:])
             grad_b = column_sum(grad_y).split(ctx.sizes) if has_bias else [None] * n
             grad_x = pending.finish(own)  # [s/tp*b, in]
+            if gather is not None:
+                gather.finish()
         params = [None if g is None else g.to(dt) for g, dt in zip(list(grad_w) + list(grad_b), ctx.param_dtypes)]
-        return (grad_x.view(ctx.local_shape).to(ctx.x_dtype), None, None, *params)
+        return (grad_x.view(ctx.local_shape).to(ctx.x_dtype), None, None, None, *params)
 
 
 class _RowLinearOverPeers(torch.autograd.Function):
@@ -200,13 +220,16 @@ class _RowLinearOverPeers(torch.autograd.Function):
 
 
 def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
-                      biases: Sequence[Optional[torch.Tensor]], group) -> List[torch.Tensor]:
+                      biases: Sequence[Optional[torch.Tensor]], group, save_gathered_input: bool = False
+                      ) -> List[torch.Tensor]:
     """[F.linear(all_gather_along_seq(x_local), W_i, b_i)], one GEMM per rank's rows (module docstring).
     x_local [s/tp, b, in]; W_i [out_i/tp, in]; biases all given or all None; -> [s, b, out_i/tp] each.
-    The gathered input is kept for the backward."""
+    save_gathered_input: keep the gathered input for the backward (tp times the memory of x_local,
+    and inside CUDA graphs its copy out of the peer buffers runs as SM kernels beside the GEMMs),
+    else gather it again in the backward beside the input-gradient GEMMs (copy engines only)."""
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise ValueError("peer_overlap.all_gather_linear: give a bias for every weight or for none")
-    return list(_ColumnLinearOverPeers.apply(x_local, group, len(weights), *weights, *biases))
+    return list(_ColumnLinearOverPeers.apply(x_local, group, save_gathered_input, len(weights), *weights, *biases))
 
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
