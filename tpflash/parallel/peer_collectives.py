@@ -45,7 +45,7 @@ _ENV = "TPFLASH_COMM_BACKEND"
 BACKENDS = ("auto", "nccl", "copy_engine")
 _ALIGN = 512  # bytes; keeps every slot aligned for vectorised copies
 _for_graphs = [False]  # inside for_graph_capture()
-_epochs: List["_GraphEpoch"] = []  # the graph_epoch open now, if any (a stack: epochs do not nest in practice)
+_epochs: List["_Turns"] = []  # the graph_epoch open now, if any (a stack: epochs do not nest in practice)
 _peer_access: Dict[int, bool] = {}  # id(group) -> the group's agreed verdict
 
 
