@@ -170,8 +170,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.split_along_dim(x, -1, self.process_group)
         if _pipelined(self, x):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
-            y = _overlap.linear_reduce_scatter(x, self.weight, self.process_group)  # [seq/tp, *, out]
-            return self.add_bias(y)
+            return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp())
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue
             return linear(x, self.weight, self.bias)
         return self.reduce_partial_sum(linear(x, self.weight))
@@ -189,10 +188,13 @@ class RowParallelLinear(nn.Module):
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         """y + bias for the reduced output y, in y's dtype (an fp32 bias does not promote a bf16 output
         under autocast); under SP the bias gradient is summed over tp."""
-        bias = self.bias
-        if bias is not None and self.sequence_parallel:  # each rank's tokens give a partial bias grad
-            bias = comm.copy_to_tp_region(bias, self.process_group)
-        return add_bias(y, bias)
+        return add_bias(y, self._bias_summed_over_tp())
+
+    def _bias_summed_over_tp(self) -> Optional[torch.Tensor]:
+        """The bias, its gradient summed over tp under SP (each rank's tokens give a part of it)."""
+        if self.bias is not None and self.sequence_parallel:
+            return comm.copy_to_tp_region(self.bias, self.process_group)
+        return self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

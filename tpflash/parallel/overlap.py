@@ -345,21 +345,27 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     return list(_AllGatherLinear.apply(x_local, group, save_gathered_input, *weights, *biases))
 
 
-def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
-    """reduce_scatter_along_seq(F.linear(h, weight)), the GEMM pipelined with the reduce-scatter.
+def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
+                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reduce_scatter_along_seq(F.linear(h, weight)) + bias, the GEMM pipelined with the reduce-scatter.
 
-    h: [s, b, in/tp] (sequence-first); weight: [out, in/tp]; returns this rank's summed tokens
-    [s/tp, b, out]. Raises ValueError when s is not divisible by tp. Process group: `group`.
+    h: [s, b, in/tp] (sequence-first); weight: [out, in/tp]; bias: [out] or None, added once to the
+    sum in the output's dtype (its gradient is this rank's tokens' part: a replicated bias needs
+    its gradient summed over tp, e.g. through comm.copy_to_tp_region); returns this rank's summed
+    tokens [s/tp, b, out]. Raises ValueError when s is not divisible by tp. Process group: `group`.
     """
     world = group_size(group)
     if world == 1:
-        return torch.nn.functional.linear(h, weight)
+        return torch.nn.functional.linear(h, weight, bias)
     if h.shape[0] % world:
         raise ValueError(f"sequence length {h.shape[0]} (dim 0 of {tuple(h.shape)}) is not divisible by tp={world}")
-    if overlap_backend(h, group) == "copy_engine":
+    if overlap_backend(h, group) == "copy_engine":  # the bias rides in this rank's own GEMM's epilogue
         from . import peer_overlap
-        return peer_overlap.linear_reduce_scatter(h, weight, group)
+        return peer_overlap.linear_reduce_scatter(h, weight, group, bias)
     if _use_symm_mem(h, group):
         from . import symm_overlap
-        return symm_overlap.linear_reduce_scatter(h, weight, group)
-    return _LinearReduceScatter.apply(h, weight, group)
+        y = symm_overlap.linear_reduce_scatter(h, weight, group)
+    else:
+        y = _LinearReduceScatter.apply(h, weight, group)
+    from ..layers.autocast_linear import add_bias  # layers import this module
+    return add_bias(y, bias)

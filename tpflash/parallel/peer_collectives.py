@@ -291,10 +291,11 @@ class PeerAllGather:
 class PeerReduceScatter:
     """A reduce-scatter whose parts are sent as soon as they are computed.
 
-    `send(r, part)` pushes this rank's partial sum of rank r's rows, part [m, ...], into rank r's
-    buffer (at this rank's slot) on `stream` (default: the current one), while the caller computes
-    the next part; `finish(own)` adds every rank's part for this rank's rows to own [m, ...] (fp32
-    accumulation above two ranks) and returns the sum. Every peer gets exactly one part.
+    `send(r, part, row)` pushes this rank's partial sum of rank r's rows row.. row+len(part), part
+    [k, ...], into rank r's buffer (at this rank's slot) on `stream` (default: the current one),
+    while the caller computes the next part; `finish(own)` adds every rank's part for this rank's
+    rows to own [m, ...] (fp32 accumulation above two ranks) and returns the sum. Every peer gets
+    all m rows, in one part or several.
     """
 
     def __init__(self, group, shape, dtype: torch.dtype, device: torch.device,
@@ -310,16 +311,17 @@ class PeerReduceScatter:
     def _view(self, owner: int, slot: int) -> torch.Tensor:
         return self.ws.view(owner, (self.buffer * self.world + slot) * self.slot, self.shape, self.dtype)
 
-    def send(self, r: int, part: torch.Tensor) -> None:
+    def send(self, r: int, part: torch.Tensor, row: int = 0) -> None:
         part = part.contiguous()
         _side_wait(self.stream)
         with torch.cuda.stream(self.stream):
-            self._view(r, self.rank).copy_(part)
+            self._view(r, self.rank)[row:row + part.shape[0]].copy_(part)
         self.sent.append(part)
 
     def finish(self, own: torch.Tensor) -> torch.Tensor:
-        if len(self.sent) != self.world - 1:
-            raise RuntimeError(f"PeerReduceScatter: {len(self.sent)} parts sent, {self.world - 1} expected")
+        rows = sum(part.shape[0] for part in self.sent)
+        if rows != (self.world - 1) * self.shape[0]:
+            raise RuntimeError(f"PeerReduceScatter: {rows} rows sent, {(self.world - 1) * self.shape[0]} expected")
         _side_wait_back(self.stream)
         self.ws.barrier()  # every rank's parts have arrived
         received = [self._view(self.rank, r) for r in range(self.world) if r != self.rank]

@@ -12,7 +12,8 @@ tpflash.layers.autocast_linear:
   column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
                    sent first, this rank's last; the weight-gradient GEMM runs while they travel
                    (by rank, over x gathered again beside the first GEMM, unless x was kept)
-  row forward      y = reduce_scatter(h @ W^T)             the same sends
+  row forward      y = reduce_scatter(h @ W^T) + b         the same sends (in two GEMMs per peer, so that
+                   the own rows' GEMM, which adds the bias, covers the last transfer)
   row backward     grad_h = all_gather(grad_y) @ W,         as the column forward, the weight gradient
                    grad_W = sum_r piece_r^T h_r              summed piece by piece beside it
 
@@ -67,8 +68,8 @@ class _GroupReduceScatter:
         self.group, self.rank = group, dist.get_rank(group)
         self.parts = torch.empty((dist.get_world_size(group),) + tuple(shape), dtype=dtype, device=device)
 
-    def send(self, r: int, part: torch.Tensor) -> None:
-        self.parts[r].copy_(part)
+    def send(self, r: int, part: torch.Tensor, row: int = 0) -> None:
+        self.parts[r][row:row + part.shape[0]].copy_(part)
 
     def finish(self, own: torch.Tensor) -> torch.Tensor:
         self.parts[self.rank].copy_(own)
@@ -128,22 +129,37 @@ def _weight_grad_over_gathered(grad_y: torch.Tensor, gather) -> torch.Tensor:
     return grad_w
 
 
-def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
-    """reduce_scatter(a @ w): a [world*m, k], w [k, n] -> this rank's summed rows [m, n]; the rows due
-    to each peer are sent while the next rows are multiplied. The caller's work queued before the
-    sum overlaps the last transfers: see `_send_parts` for the split form."""
-    pending, own = _send_parts(a, w, group)
+def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reduce_scatter(a @ w) + bias: a [world*m, k], w [k, n], bias [n] -> this rank's summed rows [m, n];
+    the rows due to each peer are sent while the next rows are multiplied. The caller's work queued
+    before the sum overlaps the last transfers: see `_send_parts` for the split form."""
+    pending, own = _send_parts(a, w, group, bias)
     return pending.finish(own)
 
 
-def _send_parts(a: torch.Tensor, w: torch.Tensor, group):
-    """(pending reduce-scatter, this rank's own part): every peer's rows of a @ w computed and sent."""
+SEND_CHUNKS = 2  # GEMMs per peer's rows: the first transfer starts after half of that GEMM
+
+
+def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None):
+    """(pending reduce-scatter, this rank's own part): every peer's rows of a @ w computed and sent,
+    SEND_CHUNKS GEMMs each, and the own rows' GEMM, which adds the bias (once per token: only the
+    rank that keeps a token's sum adds it). Chunking matters where the GEMM is short next to its
+    transfer (a small inner dimension, e.g. the attention's output projection), where the own GEMM
+    alone would not cover the last peer's transfer."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     m = a.shape[0] // world
     pending = _reduce_scatter(group, (m, w.shape[1]), a)
     for r in _peers_first(rank, world):
-        pending.send(r, a[r * m:(r + 1) * m] @ w)
-    return pending, a[rank * m:(rank + 1) * m] @ w
+        for rows in _chunks(m, SEND_CHUNKS):
+            pending.send(r, a[r * m + rows.start:r * m + rows.stop] @ w, rows.start)
+    own = a[rank * m:(rank + 1) * m]
+    return pending, own @ w if bias is None else torch.addmm(bias, own, w)
+
+
+def _chunks(m: int, n: int) -> List[slice]:
+    """range(m) in n contiguous slices, as even as whole rows allow (none empty)."""
+    bounds = [m * i // n for i in range(n + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
 class _ColumnLinearOverPeers(torch.autograd.Function):
@@ -196,15 +212,16 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
 
 
 class _RowLinearOverPeers(torch.autograd.Function):
-    """y_local = reduce_scatter_seq(h @ W^T): h [s, b, in/tp] -> y_local [s/tp, b, out]."""
+    """y_local = reduce_scatter_seq(h @ W^T) + b: h [s, b, in/tp] -> y_local [s/tp, b, out]; the bias's
+    gradient is this rank's tokens' part."""
 
     @staticmethod
-    def forward(ctx, h, weight, group):
+    def forward(ctx, h, weight, bias, group):
         dtype = linear_compute_dtype(h)
-        ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype)
+        ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         h, w = h.to(dtype).contiguous(), weight.to(dtype)
         with _no_autocast(h):
-            y = _multiply_scatter(_rows(h), w.t(), group)  # [s/tp*b, out]
+            y = _multiply_scatter(_rows(h), w.t(), group, None if bias is None else bias.to(dtype))  # [s/tp*b, out]
         ctx.save_for_backward(h, w)
         return y.view((h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],))
 
@@ -212,11 +229,13 @@ class _RowLinearOverPeers(torch.autograd.Function):
     def backward(ctx, grad_y):
         h, w = ctx.saved_tensors
         with _no_autocast(h):
-            gather = _all_gather(_rows(grad_y.to(h.dtype)), ctx.group, keep=False)
+            grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
+            gather = _all_gather(grad_rows, ctx.group, keep=False)
             grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
             grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h)  # [out, in/tp]
+            grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
             gather.finish()
-        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None
+        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), grad_b, None
 
 
 def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -232,7 +251,9 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     return list(_ColumnLinearOverPeers.apply(x_local, group, save_gathered_input, len(weights), *weights, *biases))
 
 
-def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
-    """reduce_scatter_along_seq(F.linear(h, weight)): h [s, b, in/tp] (s divisible by tp: the entry
-    point, tpflash.parallel.overlap.linear_reduce_scatter, checks), weight [out, in/tp] -> [s/tp, b, out]."""
-    return _RowLinearOverPeers.apply(h, weight, group)
+def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group,
+                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reduce_scatter_along_seq(F.linear(h, weight)) + bias: h [s, b, in/tp] (s divisible by tp: the
+    entry point, tpflash.parallel.overlap.linear_reduce_scatter, checks), weight [out, in/tp], bias
+    [out] or None -> [s/tp, b, out]. The bias's gradient is this rank's tokens' part."""
+    return _RowLinearOverPeers.apply(h, weight, bias, group)
