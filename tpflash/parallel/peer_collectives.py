@@ -294,8 +294,8 @@ class PeerReduceScatter:
     `send(r, part, row)` pushes this rank's partial sum of rank r's rows row.. row+len(part), part
     [k, ...], into rank r's buffer (at this rank's slot) on `stream` (default: the current one),
     while the caller computes the next part; `finish(own)` adds every rank's part for this rank's
-    rows to own [m, ...] (fp32 accumulation above two ranks) and returns the sum. Every peer gets
-    all m rows, in one part or several.
+    rows to own [m, ...] (fp32 accumulation above two ranks) and returns the sum, `finish_matmul(a,
+    w)` the same for own = a @ w. Every peer gets all m rows, in one part or several.
     """
 
     def __init__(self, group, shape, dtype: torch.dtype, device: torch.device,
@@ -319,12 +319,7 @@ class PeerReduceScatter:
         self.sent.append(part)
 
     def finish(self, own: torch.Tensor) -> torch.Tensor:
-        rows = sum(part.shape[0] for part in self.sent)
-        if rows != (self.world - 1) * self.shape[0]:
-            raise RuntimeError(f"PeerReduceScatter: {rows} rows sent, {(self.world - 1) * self.shape[0]} expected")
-        _side_wait_back(self.stream)
-        self.ws.barrier()  # every rank's parts have arrived
-        received = [self._view(self.rank, r) for r in range(self.world) if r != self.rank]
+        received = self._arrived()
         if self.world == 2:
             out = torch.add(own, received[0])
         else:
@@ -332,6 +327,25 @@ class PeerReduceScatter:
             for part in received:
                 total += part
             out = total.to(self.dtype)
+        return self._done(out)
+
+    def finish_matmul(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """finish(a @ w) for a [m, k], w [k, n]; at two ranks the GEMM adds the received part in its
+        epilogue (one pass less, and one rounding), so it runs only once that part is here."""
+        if self.world != 2:
+            return self.finish(a @ w)
+        return self._done(torch.addmm(self._arrived()[0], a, w))
+
+    def _arrived(self) -> List[torch.Tensor]:
+        """Waits for every rank's parts; the parts for this rank's rows, from its own buffer."""
+        rows = sum(part.shape[0] for part in self.sent)
+        if rows != (self.world - 1) * self.shape[0]:
+            raise RuntimeError(f"PeerReduceScatter: {rows} rows sent, {(self.world - 1) * self.shape[0]} expected")
+        _side_wait_back(self.stream)
+        self.ws.barrier()  # every rank's parts have arrived
+        return [self._view(self.rank, r) for r in range(self.world) if r != self.rank]
+
+    def _done(self, out: torch.Tensor) -> torch.Tensor:
         if not self.in_epoch:
             self.ws.barrier()  # every rank has summed its slots: the buffers may be written again
         self.sent = []

@@ -10,8 +10,9 @@ tpflash.layers.autocast_linear:
   column forward   ys = all_gather(x) @ [W_1; ..; W_n]^T   this rank's rows are multiplied while the
                    copy engines move the others; each peer's rows are multiplied once they are here
   column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
-                   sent first, this rank's last; the weight-gradient GEMM runs while they travel
-                   (by rank, over x gathered again beside the first GEMM, unless x was kept)
+                   sent first; the weight-gradient GEMM runs while they travel (by rank, over x
+                   gathered again beside the first GEMM, unless x was kept); this rank's rows
+                   last, their GEMM adding the parts received (two ranks: in its epilogue)
   row forward      y = reduce_scatter(h @ W^T) + b         the same sends (in two GEMMs per peer, so that
                    the own rows' GEMM, which adds the bias, covers the last transfer)
   row backward     grad_h = all_gather(grad_y) @ W,         as the column forward, the weight gradient
@@ -74,6 +75,9 @@ class _GroupReduceScatter:
     def finish(self, own: torch.Tensor) -> torch.Tensor:
         self.parts[self.rank].copy_(own)
         return comm.reduce_scatter(self.parts, 0, self.group)[0]
+
+    def finish_matmul(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.finish(a @ w)
 
 
 def _all_gather(x: torch.Tensor, group, keep: bool = True):
@@ -141,19 +145,25 @@ SEND_CHUNKS = 2  # GEMMs per peer's rows: the first transfer starts after half o
 
 
 def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None):
-    """(pending reduce-scatter, this rank's own part): every peer's rows of a @ w computed and sent,
-    SEND_CHUNKS GEMMs each, and the own rows' GEMM, which adds the bias (once per token: only the
-    rank that keeps a token's sum adds it). Chunking matters where the GEMM is short next to its
-    transfer (a small inner dimension, e.g. the attention's output projection), where the own GEMM
-    alone would not cover the last peer's transfer."""
+    """(pending reduce-scatter, this rank's own part): every peer's rows of a @ w computed and sent
+    (`_send_peer_parts`), then the own rows' GEMM, which adds the bias (once per token: only the
+    rank that keeps a token's sum adds it)."""
+    pending, own = _send_peer_parts(a, w, group)
+    return pending, own @ w if bias is None else torch.addmm(bias, own, w)
+
+
+def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group):
+    """(pending reduce-scatter of a @ w, this rank's rows of a): every peer's rows multiplied and sent,
+    SEND_CHUNKS GEMMs each. Chunking matters where the GEMM is short next to its transfer (a small
+    inner dimension, e.g. the attention's output projection), where the own GEMM alone would not
+    cover the last peer's transfer."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     m = a.shape[0] // world
     pending = _reduce_scatter(group, (m, w.shape[1]), a)
     for r in _peers_first(rank, world):
         for rows in _chunks(m, SEND_CHUNKS):
             pending.send(r, a[r * m + rows.start:r * m + rows.stop] @ w, rows.start)
-    own = a[rank * m:(rank + 1) * m]
-    return pending, own @ w if bias is None else torch.addmm(bias, own, w)
+    return pending, a[rank * m:(rank + 1) * m]
 
 
 def _chunks(m: int, n: int) -> List[slice]:
@@ -196,7 +206,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         grad_y = grads[0].contiguous() if n == 1 else torch.cat(grads, dim=-1)  # [s*b, sum out]
         with _no_autocast(x_saved):
             gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False)  # beside the GEMMs
-            pending, own = _send_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
+            pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
             if gather is None:  # ... the weight gradient is computed
                 grad_w = _weight_grad_fp32(grad_y, x_saved)
             else:
@@ -204,7 +214,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             grad_w = grad_w.split(ctx.sizes)
             has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[4 + n:])
             grad_b = column_sum(grad_y).split(ctx.sizes) if has_bias else [None] * n
-            grad_x = pending.finish(own)  # [s/tp*b, in]
+            grad_x = pending.finish_matmul(own_rows, w_c)  # [s/tp*b, in]: the parts are here by now
             if gather is not None:
                 gather.finish()
         params = [None if g is None else g.to(dt) for g, dt in zip(list(grad_w) + list(grad_b), ctx.param_dtypes)]
