@@ -103,7 +103,9 @@ class ColumnParallelLinear(nn.Module):
     Input: [*, in_features], replicated over tp; or, with sequence_parallel, [seq/tp, *, in]
     sharded along `seq_dim` (all-gathered here). Output: [*, out_features/tp] on each rank, or
     [*, out_features] with gather_output. Process group: `process_group`, else the default
-    state's tp group, else none (tp=1, a plain nn.Linear).
+    state's tp group, else none (tp=1, a plain nn.Linear). save_gathered_input (overlapped SP
+    path only): keep the all-gathered input for the backward (True), gather it again there (False),
+    or let the overlap backend choose (None; tpflash.parallel.overlap.all_gather_linear).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
