@@ -25,8 +25,9 @@ b at call k only after passing call k-1's barrier, which every peer reaches only
 of call k-2, the last user of buffer b (each call's reads are queued before the next call's
 barrier). The turns are fixed in the graph at capture, and the epoch ends with one more barrier
 (the fence), after which either buffer is free as after an eager call: replays of such graphs and
-eager calls then interleave in any order. Calls on a group must be issued in the same order on every rank, which holds for the
-layers' collectives. Process group: the one given (CUDA tensors, world > 1).
+eager calls then interleave in any order. Calls on a group must be issued in the same order on
+every rank, which holds for the layers' collectives. Process group: the one given (CUDA tensors,
+world > 1).
 """
 from __future__ import annotations
 
@@ -253,17 +254,18 @@ class PeerAllGather:
         self.buffer, self.in_epoch = _take_turn(self.ws)
         self.stream = stream or torch.cuda.current_stream()
         self.out = x.new_empty((self.world * x.shape[0],) + tuple(x.shape[1:])) if keep else None
+        parts = self.out.chunk(self.world) if keep else ()
         _side_wait(self.stream)
         with torch.cuda.stream(self.stream):
             for r in self.order()[1:]:  # pushes: NVLink writes ran faster than reads (docs/performance.md)
                 self._view(r, self.rank).copy_(self.x)
             if keep:
-                self.out.chunk(self.world)[self.rank].copy_(self.x)
+                parts[self.rank].copy_(self.x)
             self.ws.barrier()  # every rank's part is here
             self.arrived = torch.cuda.Event()
             self.arrived.record(self.stream)
             for r in self.order()[1:] if keep else ():
-                self.out.chunk(self.world)[r].copy_(self._view(self.rank, r))
+                parts[r].copy_(self._view(self.rank, r))
         self._waited = False
 
     def _view(self, owner: int, slot: int) -> torch.Tensor:
