@@ -1,6 +1,7 @@
 """Pipelined (overlapped) sequence-parallel GEMMs equal the plain path and the single-process reference."""
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.distributed.checks import assert_close, init_tp, work_dtype
@@ -148,6 +149,20 @@ def indivisible_sequence_body(tp):
     h = torch.randn(SEQ + 1, BATCH, IN // tp, device=ps.device)
     with pytest.raises(ValueError, match=f"sequence length {SEQ + 1} .* not divisible by tp={tp}"):
         overlap.linear_reduce_scatter(h, torch.randn(OUT, IN // tp, device=ps.device), ps.tp_group)
+
+
+def wrong_bias_body(tp):
+    ps = init_tp(tp)
+    h = torch.randn(SEQ, BATCH, IN // tp, device=ps.device)
+    w = torch.randn(OUT, IN // tp, device=ps.device)
+    with pytest.raises(ValueError, match=rf"bias of shape \({OUT + 1},\) does not match .* must be \[{OUT}\]"):
+        overlap.linear_reduce_scatter(h, w, ps.tp_group, torch.randn(OUT + 1, device=ps.device))
+    dist.barrier()  # every rank raised before any collective: the group is still in step
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_linear_reduce_scatter_rejects_a_bias_of_the_wrong_size_before_communicating(ranks, tp):
+    ranks(tp).run(wrong_bias_body, tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -359,6 +359,9 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
         return torch.nn.functional.linear(h, weight, bias)
     if h.shape[0] % world:
         raise ValueError(f"sequence length {h.shape[0]} (dim 0 of {tuple(h.shape)}) is not divisible by tp={world}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the weight {tuple(weight.shape)}: "
+                         f"it must be [{weight.shape[0]}] (one value per output feature)")
     if overlap_backend(h, group) == "copy_engine":  # the bias rides in this rank's own GEMM's epilogue
         from . import peer_overlap
         return peer_overlap.linear_reduce_scatter(h, weight, group, bias)
