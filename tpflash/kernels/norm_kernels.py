@@ -144,7 +144,7 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, l
     written in the same pass as dx when `low_dtype` is given.
 
     Program p owns rows [p * per_program, (p + 1) * per_program) and writes their dweight/dbias sums
-    to row p of an fp32 [programs, n] buffer, summed here: no atomics, deterministic. `launch`
+    to row p of fp32 [programs, n] buffers, summed here: no atomics, deterministic. `launch`
     (any of "ROWS", "STAGES", "WARPS", "PER_SM") overrides the rule of _bwd_launch (tests,
     scripts/tune_norm_bwd.py).
     """
@@ -157,15 +157,17 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, l
     dx_low = torch.empty(rows, n, device=h.device, dtype=low_dtype) if low_dtype is not None else None
     per_program = max(1, triton.cdiv(rows, groups))
     programs = max(1, triton.cdiv(rows, per_program))
-    dw = torch.empty(programs, n, device=h.device, dtype=torch.float32)
-    db = torch.empty(programs, n, device=h.device, dtype=torch.float32) if bias is not None else None
+    # dweight's and dbias's partial sums in one buffer: one torch sum over programs finishes both
+    partials = torch.empty(1 if bias is None else 2, programs, n, device=h.device, dtype=torch.float32)
+    dw, db = partials[0], (None if bias is None else partials[1])
     args = (h, weight, dy, dres, dx, dx_low, dw, db, mean, rstd, rows, n, per_program)
     flags = dict(BLOCK=block, RMS=rms, HAS_DRES=dres is not None, HAS_BIAS=bias is not None,
                  HAS_DX_LOW=dx_low is not None)
     _norm_bwd_kernel[(programs,)](*args, **flags, ROWS=launch["ROWS"], STAGES=launch["STAGES"],
                                   num_warps=launch["WARPS"])
-    dbias = db.sum(0).to(bias.dtype) if bias is not None else None
-    return dx, dw.sum(0).to(weight.dtype), dbias, dx_low
+    sums = partials.sum(1)  # [1 or 2, n]
+    dbias = sums[1].to(bias.dtype) if bias is not None else None
+    return dx, sums[0].to(weight.dtype), dbias, dx_low
 
 
 class _TritonNorm(torch.autograd.Function):

@@ -4,10 +4,12 @@ They compute in fp32 (float64 if given float64) and return the input dtype, like
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 
 def _attention_one(q, k, v, causal: bool, scale: float):
@@ -132,3 +134,14 @@ def cross_entropy_grad_reference(logits, lse, target_col, row_scale, real_cols: 
     grad = grad - (1 - label_smoothing) * onehot - label_smoothing / num_classes
     grad = grad.masked_fill(cols[None, :] >= real_cols, 0.0)
     return (grad * row_scale[:, None]).to(logits.dtype)
+
+
+# The elementwise activations of a non-gated MLP. "gelu" is the tanh approximation GPT-2 uses
+# (Hugging Face's "gelu_new"); "gelu_exact" is the erf form.
+ACTIVATION_FUNCTIONS = {"gelu": functools.partial(F.gelu, approximate="tanh"), "gelu_exact": F.gelu, "relu": F.relu}
+
+
+def bias_activation_reference(y: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(y + bias) in fp32 (float64 for float64 y), returned in y's dtype; differentiable."""
+    compute = torch.float64 if y.dtype == torch.float64 else torch.float32
+    return ACTIVATION_FUNCTIONS[activation](y.to(compute) + bias.to(compute)).to(y.dtype)

@@ -1,24 +1,19 @@
 """Tensor-parallel feed-forward block: column-parallel up (and gate) projection, row-parallel down."""
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import kernels
 from ..parallel.state import group_size, resolve_tp_group
 from ..kernels.fused_dense import fused_dense_gelu_dense
+from ..kernels.reference import ACTIVATION_FUNCTIONS
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears
 
-# Elementwise activations of the non-gated MLP. "gelu" is the tanh approximation GPT-2 uses
-# (Hugging Face's "gelu_new"); "gelu_exact" is the erf form.
-ACTIVATIONS = {
-    "gelu": functools.partial(F.gelu, approximate="tanh"),
-    "gelu_exact": F.gelu,
-    "relu": F.relu,
-}
+ACTIVATIONS = ACTIVATION_FUNCTIONS  # the non-gated MLP's: "gelu" (tanh, GPT-2's), "gelu_exact", "relu"
 MLPS = tuple(ACTIVATIONS) + ("swiglu",)
 
 
@@ -28,7 +23,9 @@ class ParallelMLP(nn.Module):
     x: [seq, batch, hidden] replicated over tp, or with sequence_parallel [seq/tp, batch, hidden];
     the output has x's layout. up/gate split ffn_hidden over tp (each rank computes
     ffn_hidden/tp features), down sums them back (all-reduce, or reduce-scatter under SP).
-    Parameters: up_proj, gate_proj (swiglu only), down_proj, in nn.Linear layouts.
+    Parameters: up_proj, gate_proj (swiglu only), down_proj, in nn.Linear layouts. Without a gate,
+    up_proj's bias is added by the activation's kernel (tpflash.kernels.bias_activation) rather
+    than in the GEMM, so that its gradient is summed in the same pass that writes dy.
 
     fused_dense=True (mlp="gelu" only) runs up -> GELU -> down through
     tpflash.kernels.fused_dense_gelu_dense (the cuBLASLt extension of csrc/ with its bias/GELU
@@ -65,13 +62,17 @@ class ParallelMLP(nn.Module):
             partial = fused_dense_gelu_dense(x_full, self.up_proj.weight, self.up_proj.bias,
                                              self.down_proj.weight, None)  # [seq, b, hidden], summed over tp below
             return self.down_proj.reduce_partial_sum(partial)
-        projections = [self.up_proj] if self.gate_proj is None else [self.up_proj, self.gate_proj]
-        outs = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
-                                       self.process_group, self.sequence_parallel)  # [seq, b, ffn/tp] each
         if self.gate_proj is None:
-            h = ACTIVATIONS[self.mlp](outs[0])
+            up_bias = self.up_proj.bias
+            y = column_parallel_linears(x, [self.up_proj.weight], [None], self.process_group,
+                                        self.sequence_parallel)[0]  # [seq, b, ffn/tp], bias not yet added
+            # the bias added by the activation's kernel, whose backward sums its gradient while writing dy
+            h = ACTIVATIONS[self.mlp](y) if up_bias is None else kernels.bias_activation(y, up_bias, self.mlp)
         else:
-            h = F.silu(outs[1]) * outs[0]
+            projections = [self.up_proj, self.gate_proj]
+            up, gate = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
+                                               self.process_group, self.sequence_parallel)  # [seq, b, ffn/tp] each
+            h = F.silu(gate) * up
         return self.down_proj(h)  # [seq(/tp), b, hidden]
 
     def extra_repr(self) -> str:

@@ -1,0 +1,87 @@
+"""Triton act(y + bias) and its backward with the bias gradient's column sum in the same pass.
+
+One kernel, one flag (BACKWARD). Forward: h = act(y + bias), computed in fp32, stored in y's dtype.
+Backward: dy = dh * act'(y + bias), stored in dh's dtype, and the fp32 column sums of the stored dy
+(the bias gradient) kept in registers: the column sum costs no extra read of dy. The grid and the
+deterministic partial sums are column_sum_kernel's (a [splits, cols] fp32 buffer summed by torch,
+no atomics), with its launch rule, so tp ranks summing the same rows get the same bits.
+ACT: 0 GELU with the tanh approximation (GPT-2's "gelu"), 1 exact (erf) GELU, 2 ReLU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .column_sum_kernel import BLOCK_C, BLOCK_R, WARPS, _row_split, _sm_count, INTERPRET_SMS
+
+ACTIVATION_IDS = {"gelu": 0, "gelu_exact": 1, "relu": 2}
+SQRT_2_OVER_PI = 0.7978845608028654
+GELU_CUBIC = 0.044715
+INV_SQRT_2 = 0.7071067811865476
+INV_SQRT_2PI = 0.3989422804014327
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr):
+    if ACT == 0:  # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+        return x * tl.sigmoid(2.0 * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x))
+    elif ACT == 1:
+        return 0.5 * x * (1.0 + tl.erf(x * INV_SQRT_2))
+    else:
+        return tl.maximum(x, 0.0)
+
+
+@triton.jit
+def _activation_grad(x, ACT: tl.constexpr):
+    if ACT == 0:  # s + x s (1 - s) 2u', with s = sigmoid(2u) (1 - tanh(u)^2 = 4 s (1 - s))
+        s = tl.sigmoid(2.0 * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x))
+        return s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
+    elif ACT == 1:
+        return 0.5 * (1.0 + tl.erf(x * INV_SQRT_2)) + x * tl.exp(-0.5 * x * x) * INV_SQRT_2PI
+    else:
+        return tl.where(x > 0.0, 1.0, 0.0)
+
+
+@triton.jit
+def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, stride_dh, rows_per_split,
+                            ACT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    split = tl.program_id(1)
+    in_cols = c < cols
+    bias = tl.load(BIAS + c, mask=in_cols, other=0.0).to(tl.float32)
+    first = split * rows_per_split
+    last = tl.minimum(first + rows_per_split, rows)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for start in tl.range(first, last, BLOCK_R):
+        r = (start + tl.arange(0, BLOCK_R)).to(tl.int64)
+        mask = (r < last)[:, None] & in_cols[None, :]
+        pre = tl.load(Y + r[:, None] * stride_y + c[None, :], mask=mask, other=0.0).to(tl.float32) + bias[None, :]
+        at = OUT + r[:, None] * cols + c[None, :]
+        if BACKWARD:
+            dh = tl.load(DH + r[:, None] * stride_dh + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = (dh * _activation_grad(pre, ACT)).to(OUT.dtype.element_ty)
+            tl.store(at, dy, mask=mask)
+            acc += dy.to(tl.float32)  # masked lanes hold dh = 0: they add nothing
+        else:
+            tl.store(at, _activation(pre, ACT).to(OUT.dtype.element_ty), mask=mask)
+    if BACKWARD:
+        tl.store(PARTIALS + split * cols + c, tl.sum(acc, 0), mask=in_cols)
+
+
+def triton_bias_activation(y: torch.Tensor, bias: torch.Tensor, activation: str, dh=None):
+    """Forward (dh None): act(y + bias), [rows, cols] in y's dtype. Backward: (dy in dh's dtype,
+    fp32 [cols] bias gradient). y and dh: [rows, cols] with last-dim stride 1; bias [cols]."""
+    rows, cols = y.shape
+    sms = _sm_count(y.device) if y.is_cuda else INTERPRET_SMS
+    column_blocks = triton.cdiv(cols, BLOCK_C)
+    rows_per_split = _row_split(rows, column_blocks, sms)
+    splits = max(1, triton.cdiv(rows, rows_per_split))
+    backward = dh is not None
+    out = torch.empty(rows, cols, device=y.device, dtype=(dh if backward else y).dtype)
+    partials = torch.empty(splits, cols, device=y.device, dtype=torch.float32) if backward else None
+    _bias_activation_kernel[(column_blocks, splits)](
+        y, bias, dh, out, partials, rows, cols, y.stride(0), dh.stride(0) if backward else 0, rows_per_split,
+        ACT=ACTIVATION_IDS[activation], BACKWARD=backward, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
+    return (out, partials.sum(0)) if backward else out
