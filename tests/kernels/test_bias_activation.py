@@ -1,4 +1,8 @@
 """bias_activation: act(y + bias) and its backward (dy and the fused bias-gradient sum) vs float64."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -66,3 +70,31 @@ def test_bias_activation_rejects_a_bias_of_the_wrong_size():
 @pytest.mark.parametrize("shape", [(8192, 8192), (8191, 2050)])
 def test_bias_activation_matches_float64_on_gpu(shape, activation):
     _check(shape, torch.bfloat16, activation, DEVICE)
+
+
+_COMPILE_FOR_H100 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tpflash.kernels.bias_activation_kernel import ACTIVATION_IDS, _bias_activation_kernel
+signature = {"Y": "*bf16", "BIAS": "*fp32", "DH": "*bf16", "OUT": "*bf16", "PARTIALS": "*fp32", "rows": "i32",
+             "cols": "i32", "stride_y": "i32", "stride_dh": "i32", "rows_per_split": "i32", "ACT": "constexpr",
+             "BACKWARD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+for act in ACTIVATION_IDS.values():
+    for backward in (False, True):
+        constexprs = {"ACT": act, "BACKWARD": backward, "BLOCK_R": 128, "BLOCK_C": 32}
+        compiled = triton.compile(ASTSource(_bias_activation_kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], (act, backward)
+print("compiled", 2 * len(ACTIVATION_IDS))
+"""
+
+
+def test_bias_activation_kernel_compiles_for_an_h100():
+    # The interpreter runs the kernel as Python; Triton's compiler (here to sm_90 machine code, no GPU
+    # needed) rejects what the interpreter lets through, e.g. a kernel reading a plain Python global.
+    # A fresh process without TRITON_INTERPRET, where @triton.jit gives compilable kernels.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "compiled 6" in done.stdout, done.stderr[-3000:]

@@ -16,31 +16,33 @@ import triton.language as tl
 from .column_sum_kernel import BLOCK_C, BLOCK_R, WARPS, _row_split, _sm_count, INTERPRET_SMS
 
 ACTIVATION_IDS = {"gelu": 0, "gelu_exact": 1, "relu": 2}
-SQRT_2_OVER_PI = 0.7978845608028654
-GELU_CUBIC = 0.044715
-INV_SQRT_2 = 0.7071067811865476
-INV_SQRT_2PI = 0.3989422804014327
 
+
+# The constants are literals inside the functions: compiled Triton reads no plain Python globals
+# (the CPU interpreter would not say so), and constexpr globals do not mix with its tensors.
+# sqrt(2/pi) = 0.7978845608028654, 1/sqrt(2) = 0.7071067811865476, 1/sqrt(2 pi) = 0.3989422804014327.
 
 @triton.jit
 def _activation(x, ACT: tl.constexpr):
     if ACT == 0:  # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
-        return x * tl.sigmoid(2.0 * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x))
+        out = x * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
     elif ACT == 1:
-        return 0.5 * x * (1.0 + tl.erf(x * INV_SQRT_2))
+        out = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     else:
-        return tl.maximum(x, 0.0)
+        out = tl.maximum(x, 0.0)
+    return out
 
 
 @triton.jit
 def _activation_grad(x, ACT: tl.constexpr):
     if ACT == 0:  # s + x s (1 - s) 2u', with s = sigmoid(2u) (1 - tanh(u)^2 = 4 s (1 - s))
-        s = tl.sigmoid(2.0 * SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x))
-        return s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
+        s = tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
+        grad = s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
     elif ACT == 1:
-        return 0.5 * (1.0 + tl.erf(x * INV_SQRT_2)) + x * tl.exp(-0.5 * x * x) * INV_SQRT_2PI
+        grad = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
     else:
-        return tl.where(x > 0.0, 1.0, 0.0)
+        grad = tl.where(x > 0.0, 1.0, 0.0)
+    return grad
 
 
 @triton.jit
