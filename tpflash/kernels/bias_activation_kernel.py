@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .column_sum_kernel import BLOCK_C, BLOCK_R, WARPS, _row_split, _sm_count, INTERPRET_SMS
+from .column_sum_kernel import INTERPRET_SMS, _row_split, _sm_count
 
 ACTIVATION_IDS = {"gelu": 0, "gelu_exact": 1, "relu": 2}
 
@@ -72,18 +72,29 @@ def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, st
         tl.store(PARTIALS + split * cols + c, tl.sum(acc, 0), mask=in_cols)
 
 
-def triton_bias_activation(y: torch.Tensor, bias: torch.Tensor, activation: str, dh=None):
+# The launch per direction: [BLOCK_R, BLOCK_C] tiles, WARPS warps, PER_SM programs per SM (column
+# blocks x row splits, column_sum_kernel's rule). Placeholder until tuned (scripts/tune_bias_activation.py).
+LAUNCH = {False: {"BLOCK_R": 8, "BLOCK_C": 512, "WARPS": 4, "PER_SM": 4},
+          True: {"BLOCK_R": 32, "BLOCK_C": 128, "WARPS": 8, "PER_SM": 4}}
+INTERPRET_LAUNCH = {"BLOCK_R": 16, "BLOCK_C": 32, "WARPS": 1, "PER_SM": 4}  # CPU: small tiles, several splits
+
+
+def triton_bias_activation(y: torch.Tensor, bias: torch.Tensor, activation: str, dh=None, launch=None):
     """Forward (dh None): act(y + bias), [rows, cols] in y's dtype. Backward: (dy in dh's dtype,
-    fp32 [cols] bias gradient). y and dh: [rows, cols] with last-dim stride 1; bias [cols]."""
+    fp32 [cols] bias gradient). y and dh: [rows, cols] with last-dim stride 1; bias [cols].
+    `launch` overrides keys of the direction's LAUNCH (scripts/tune_bias_activation.py)."""
     rows, cols = y.shape
-    sms = _sm_count(y.device) if y.is_cuda else INTERPRET_SMS
-    column_blocks = triton.cdiv(cols, BLOCK_C)
-    rows_per_split = _row_split(rows, column_blocks, sms)
-    splits = max(1, triton.cdiv(rows, rows_per_split))
     backward = dh is not None
+    rule = LAUNCH[backward] if y.is_cuda else INTERPRET_LAUNCH
+    cfg = dict(rule, **(launch or {}))
+    sms = _sm_count(y.device) if y.is_cuda else INTERPRET_SMS
+    column_blocks = triton.cdiv(cols, cfg["BLOCK_C"])
+    rows_per_split = _row_split(rows, column_blocks, sms, cfg["BLOCK_R"], cfg["PER_SM"])
+    splits = max(1, triton.cdiv(rows, rows_per_split))
     out = torch.empty(rows, cols, device=y.device, dtype=(dh if backward else y).dtype)
     partials = torch.empty(splits, cols, device=y.device, dtype=torch.float32) if backward else None
     _bias_activation_kernel[(column_blocks, splits)](
         y, bias, dh, out, partials, rows, cols, y.stride(0), dh.stride(0) if backward else 0, rows_per_split,
-        ACT=ACTIVATION_IDS[activation], BACKWARD=backward, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
+        ACT=ACTIVATION_IDS[activation], BACKWARD=backward, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"],
+        num_warps=cfg["WARPS"])
     return (out, partials.sum(0)) if backward else out

@@ -49,11 +49,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _row_split(rows: int, column_blocks: int, sms: int) -> int:
-    """Rows per split (a multiple of BLOCK_R): enough splits that the grid has PROGRAMS_PER_SM programs
-    per SM, none of them with less than one tile of rows."""
-    splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, column_blocks), triton.cdiv(rows, BLOCK_R)))
-    return max(BLOCK_R, triton.cdiv(triton.cdiv(rows, splits), BLOCK_R) * BLOCK_R)
+def _row_split(rows: int, column_blocks: int, sms: int, block_r: int = BLOCK_R, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Rows per split (a multiple of block_r): enough splits that the grid has `per_sm` programs per
+    SM, none of them with less than one tile of rows."""
+    splits = max(1, min(triton.cdiv(per_sm * sms, column_blocks), triton.cdiv(rows, block_r)))
+    return max(block_r, triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r)
 
 
 def triton_column_sum(x: torch.Tensor) -> torch.Tensor:
