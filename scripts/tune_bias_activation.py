@@ -21,9 +21,10 @@ from tpflash.kernels import column_sum
 from tpflash.kernels.bias_activation_kernel import LAUNCH, triton_bias_activation
 
 DEV, BF16 = "cuda", torch.bfloat16
-TILES = {False: [(1, 1024), (2, 1024), (4, 1024), (2, 2048), (4, 512), (8, 512), (8, 256), (16, 256)],
-         True: [(32, 32), (64, 32), (128, 32), (16, 64), (32, 64), (64, 64), (16, 128), (32, 128), (8, 256),
-                (16, 256), (4, 512), (8, 512)]}
+TILES = {False: [(1, 1024), (2, 1024), (4, 1024), (8, 512), (16, 256)],
+         True: [(32, 32), (128, 32), (16, 64), (32, 64), (64, 64), (32, 128), (4, 512)]}
+WARPS = {False: (4, 8), True: (8,)}
+PER_SM = {False: (8, 32, 4096), True: (4, 8, 16, 32)}  # 4096: one tile per program
 
 
 def timed(fn, xs) -> float:
@@ -47,8 +48,9 @@ def main() -> None:
             else:
                 peer = timed(lambda y: F.gelu(y, approximate="tanh"), xs)
             results = []
-            for (rows, block_c), warps, per_sm in itertools.product(TILES[backward], (4, 8), (2, 4, 8)):
-                launch = {"BLOCK_R": rows, "BLOCK_C": block_c, "WARPS": warps, "PER_SM": per_sm}
+            for (rows, block_c), warps, per_sm, stages in itertools.product(
+                    TILES[backward], WARPS[backward], PER_SM[backward], (1, 3)):
+                launch = {"BLOCK_R": rows, "BLOCK_C": block_c, "WARPS": warps, "PER_SM": per_sm, "STAGES": stages}
                 try:
                     us = timed(lambda y, dh=None: triton_bias_activation(y, b, "gelu", dh=dh, launch=launch), xs)
                 except Exception as exc:  # a launch the GPU cannot run (registers, shared memory)

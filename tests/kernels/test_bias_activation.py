@@ -79,10 +79,11 @@ from triton.compiler import ASTSource
 from tpflash.kernels.bias_activation_kernel import ACTIVATION_IDS, _bias_activation_kernel
 signature = {"Y": "*bf16", "BIAS": "*fp32", "DH": "*bf16", "OUT": "*bf16", "PARTIALS": "*fp32", "rows": "i32",
              "cols": "i32", "stride_y": "i32", "stride_dh": "i32", "rows_per_split": "i32", "ACT": "constexpr",
-             "BACKWARD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+             "BACKWARD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr",
+             "STAGES": "constexpr"}
 for act in ACTIVATION_IDS.values():
     for backward in (False, True):
-        constexprs = {"ACT": act, "BACKWARD": backward, "BLOCK_R": 128, "BLOCK_C": 32}
+        constexprs = {"ACT": act, "BACKWARD": backward, "BLOCK_R": 128, "BLOCK_C": 32, "STAGES": 3}
         compiled = triton.compile(ASTSource(_bias_activation_kernel, signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"], (act, backward)

@@ -48,7 +48,7 @@ def _activation_grad(x, ACT: tl.constexpr):
 @triton.jit
 def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, stride_dh, rows_per_split,
                             ACT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_C: tl.constexpr):
+                            BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     split = tl.program_id(1)
     in_cols = c < cols
@@ -56,7 +56,7 @@ def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, st
     first = split * rows_per_split
     last = tl.minimum(first + rows_per_split, rows)
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    for start in tl.range(first, last, BLOCK_R):
+    for start in tl.range(first, last, BLOCK_R, num_stages=STAGES):
         r = (start + tl.arange(0, BLOCK_R)).to(tl.int64)
         mask = (r < last)[:, None] & in_cols[None, :]
         pre = tl.load(Y + r[:, None] * stride_y + c[None, :], mask=mask, other=0.0).to(tl.float32) + bias[None, :]
@@ -74,9 +74,9 @@ def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, st
 
 # The launch per direction: [BLOCK_R, BLOCK_C] tiles, WARPS warps, PER_SM programs per SM (column
 # blocks x row splits, column_sum_kernel's rule). Placeholder until tuned (scripts/tune_bias_activation.py).
-LAUNCH = {False: {"BLOCK_R": 8, "BLOCK_C": 512, "WARPS": 4, "PER_SM": 4},
-          True: {"BLOCK_R": 32, "BLOCK_C": 128, "WARPS": 8, "PER_SM": 4}}
-INTERPRET_LAUNCH = {"BLOCK_R": 16, "BLOCK_C": 32, "WARPS": 1, "PER_SM": 4}  # CPU: small tiles, several splits
+LAUNCH = {False: {"BLOCK_R": 16, "BLOCK_C": 256, "WARPS": 8, "PER_SM": 4, "STAGES": 1},
+          True: {"BLOCK_R": 32, "BLOCK_C": 128, "WARPS": 8, "PER_SM": 8, "STAGES": 1}}
+INTERPRET_LAUNCH = {"BLOCK_R": 16, "BLOCK_C": 32, "WARPS": 1, "PER_SM": 4, "STAGES": 1}  # CPU: small tiles
 
 
 def triton_bias_activation(y: torch.Tensor, bias: torch.Tensor, activation: str, dh=None, launch=None):
@@ -96,5 +96,5 @@ def triton_bias_activation(y: torch.Tensor, bias: torch.Tensor, activation: str,
     _bias_activation_kernel[(column_blocks, splits)](
         y, bias, dh, out, partials, rows, cols, y.stride(0), dh.stride(0) if backward else 0, rows_per_split,
         ACT=ACTIVATION_IDS[activation], BACKWARD=backward, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"],
-        num_warps=cfg["WARPS"])
+        STAGES=cfg["STAGES"], num_warps=cfg["WARPS"])
     return (out, partials.sum(0)) if backward else out
