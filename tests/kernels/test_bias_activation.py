@@ -55,6 +55,17 @@ def test_bias_activation_backward_repeats_its_bits():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("rows", [1, 8192, 200_000, 3_000_000])
+def test_bias_activation_grid_covers_every_row_within_the_grid_limit(rows, backward):
+    # the GPU launch rule (one row per program in the forward) must not exceed the grid's 65535 splits
+    from tpflash.kernels.bias_activation_kernel import LAUNCH, MAX_SPLITS, _grid_rows
+    cfg = LAUNCH[backward]
+    rows_per_split, splits = _grid_rows(rows, 8, 132, cfg)
+    assert splits <= MAX_SPLITS and rows_per_split % cfg["BLOCK_R"] == 0
+    assert (splits - 1) * rows_per_split < rows <= splits * rows_per_split
+
+
 def test_bias_activation_rejects_an_unknown_activation():
     with pytest.raises(ValueError, match=r"activation='swish' must be one of \('gelu', 'gelu_exact', 'relu'\)"):
         bias_activation(torch.zeros(2, 4), torch.zeros(4), "swish")

@@ -4,7 +4,7 @@ One kernel, one flag (BACKWARD). Forward: h = act(y + bias), computed in fp32, s
 Backward: dy = dh * act'(y + bias), stored in dh's dtype, and the fp32 column sums of the stored dy
 (the bias gradient) kept in registers: the column sum costs no extra read of dy. The grid and the
 deterministic partial sums are column_sum_kernel's (a [splits, cols] fp32 buffer summed by torch,
-no atomics), with its launch rule, so tp ranks summing the same rows get the same bits.
+no atomics); the launch is a fixed rule (LAUNCH), so tp ranks summing the same rows get the same bits.
 ACT: 0 GELU with the tanh approximation (GPT-2's "gelu"), 1 exact (erf) GELU, 2 ReLU.
 """
 from __future__ import annotations
@@ -73,10 +73,22 @@ def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, st
 
 
 # The launch per direction: [BLOCK_R, BLOCK_C] tiles, WARPS warps, PER_SM programs per SM (column
-# blocks x row splits, column_sum_kernel's rule). Placeholder until tuned (scripts/tune_bias_activation.py).
-LAUNCH = {False: {"BLOCK_R": 16, "BLOCK_C": 256, "WARPS": 8, "PER_SM": 4, "STAGES": 1},
-          True: {"BLOCK_R": 32, "BLOCK_C": 128, "WARPS": 8, "PER_SM": 8, "STAGES": 1}}
+# blocks x row splits, column_sum_kernel's rule; 4096: one tile per program), STAGES of pipelined
+# loads in the row loop. Swept with scripts/tune_bias_activation.py on an H100 over [8192, 5120 |
+# 8192 | 10240] bf16 (docs/performance.md, eighth session): the forward at torch's F.gelu speed
+# (90.8 vs 90.1 us at [8192, 8192]), the backward 146 us against 186 for gelu_backward + column_sum.
+LAUNCH = {False: {"BLOCK_R": 1, "BLOCK_C": 1024, "WARPS": 4, "PER_SM": 4096, "STAGES": 1},
+          True: {"BLOCK_R": 32, "BLOCK_C": 128, "WARPS": 8, "PER_SM": 32, "STAGES": 3}}
+MAX_SPLITS = 65535  # the grid's second dimension
 INTERPRET_LAUNCH = {"BLOCK_R": 16, "BLOCK_C": 32, "WARPS": 1, "PER_SM": 4, "STAGES": 1}  # CPU: small tiles
+
+
+def _grid_rows(rows: int, column_blocks: int, sms: int, cfg: dict):
+    """(rows per program, row splits) of the grid: column_sum's rule, capped at MAX_SPLITS splits."""
+    rows_per_split = _row_split(rows, column_blocks, sms, cfg["BLOCK_R"], cfg["PER_SM"])
+    if triton.cdiv(rows, rows_per_split) > MAX_SPLITS:  # long inputs: more rows per program
+        rows_per_split = triton.cdiv(triton.cdiv(rows, MAX_SPLITS), cfg["BLOCK_R"]) * cfg["BLOCK_R"]
+    return rows_per_split, max(1, triton.cdiv(rows, rows_per_split))
 
 
 def triton_bias_activation(y: torch.Tensor, bias: torch.Tensor, activation: str, dh=None, launch=None):
@@ -89,8 +101,7 @@ def triton_bias_activation(y: torch.Tensor, bias: torch.Tensor, activation: str,
     cfg = dict(rule, **(launch or {}))
     sms = _sm_count(y.device) if y.is_cuda else INTERPRET_SMS
     column_blocks = triton.cdiv(cols, cfg["BLOCK_C"])
-    rows_per_split = _row_split(rows, column_blocks, sms, cfg["BLOCK_R"], cfg["PER_SM"])
-    splits = max(1, triton.cdiv(rows, rows_per_split))
+    rows_per_split, splits = _grid_rows(rows, column_blocks, sms, cfg)
     out = torch.empty(rows, cols, device=y.device, dtype=(dh if backward else y).dtype)
     partials = torch.empty(splits, cols, device=y.device, dtype=torch.float32) if backward else None
     _bias_activation_kernel[(column_blocks, splits)](
