@@ -216,7 +216,8 @@ def main():
     p.add_argument("--seqs", default="1024,4096,16384", help="attention sequence lengths, comma list")
     p.add_argument("--attention-only", action="store_true", help="skip the memory-bound and linear+CE parts")
     p.add_argument("--no-attention", action="store_true", help="skip the attention part")
-    p.add_argument("--only", default="", help="run only this part: bias_activation or column_sum")
+    p.add_argument("--only", default="", choices=("", "bias_activation", "column_sum", "memory_bound"),
+                   help="run only this memory-bound part")
     args = p.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     head_dims = [int(h) for h in args.head_dims.split(",")]
