@@ -51,6 +51,36 @@ def test_block_matches_reference(ranks, tp, family, sequence_parallel):
     ranks(tp).run(block_body, tp, family, sequence_parallel)
 
 
+def one_all_reduce_body(tp, family):
+    """Under SP a block's partial gradients (norms, row biases, replicated k/v) are summed in one
+    all-reduce for the whole block (comm.tp_grad_bucket), not one per norm and bias."""
+    ps = init_tp(tp)
+    kw = GPT2 if family == "gpt2" else dict(LLAMA, n_kv_head=1)  # llama: k/v replicated over tp
+    torch.manual_seed(0)
+    block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, sequence_parallel=True, **kw)
+    partial = block.tp_partial_grad_parameters()
+    names = {id(p): n for n, p in block.named_parameters()}
+    expected = {"gpt2": ["attn_norm.weight", "attn_norm.bias", "attn.o_proj.bias", "mlp_norm.weight",
+                         "mlp_norm.bias", "mlp.down_proj.bias"],
+                "llama": ["attn_norm.weight", "attn.k_proj.weight", "attn.v_proj.weight", "mlp_norm.weight"]}[family]
+    assert sorted(names[id(p)] for p in partial) == sorted(expected)
+    x = torch.randn(8 // tp, 2, HIDDEN, requires_grad=True)
+    calls, real_all_reduce = [], comm.all_reduce
+    comm.all_reduce = lambda t, group: calls.append(t.numel()) or real_all_reduce(t, group)
+    try:
+        out, residual = block(x)
+        (out + residual).sum().backward()
+    finally:
+        comm.all_reduce = real_all_reduce
+    assert calls == [sum(p.numel() for p in partial)], f"all-reduces of {calls} elements"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_block_sums_its_partial_gradients_in_one_all_reduce(ranks, tp, family):
+    ranks(tp).run(one_all_reduce_body, tp, family)
+
+
 @pytest.mark.parametrize("checkpoint", ["full", "mlp"])
 def test_checkpointed_block_matches_reference(ranks, checkpoint):
     ranks(2).run(block_body, 2, "llama", True, checkpoint)

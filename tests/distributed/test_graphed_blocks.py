@@ -11,7 +11,7 @@ import torch
 from tests.distributed.checks import assert_close, init_tp
 from tests.models.reference import assert_grad_close
 from tpflash.models import GPT, GPTConfig
-from tpflash.parallel import overlap, peer_collectives
+from tpflash.parallel import comm, overlap, peer_collectives
 
 VOCAB, SEQ, BATCH = 101, 8, 2
 
@@ -139,6 +139,30 @@ def out_of_order_body(tp):
         assert "out of order" in str(e), e
     else:
         raise AssertionError("a stale backward through the graphed blocks did not raise")
+
+
+def one_all_reduce_body(tp):
+    """The graphed stack's backward sums every block's partial gradients in ONE all-reduce (one
+    tp_grad_bucket around the stack) instead of one per block."""
+    ps = init_tp(tp)
+    model = twins(config(True), ps.device)[0]
+    model.capture_cuda_graphs(BATCH, SEQ)
+    partial = [p for block in model.blocks for p in block.tp_partial_grad_parameters()]
+    x = model.embed(batch(1, ps.device)[0]).detach().requires_grad_(True)
+    calls, real_all_reduce = [], comm.all_reduce
+    comm.all_reduce = lambda t, group: calls.append(t.numel()) or real_all_reduce(t, group)
+    try:
+        out, residual = model._graphed_blocks(x)
+        (out + residual).sum().backward()
+    finally:
+        comm.all_reduce = real_all_reduce
+    assert calls == [sum(p.numel() for p in partial)], f"all-reduces of {calls} elements"
+    assert all(p.grad is not None for p in partial)
+
+
+@pytest.mark.cpu_ranks
+def test_the_graphed_stack_sums_all_partial_gradients_in_one_all_reduce(ranks):
+    ranks(2).run(one_all_reduce_body, 2)
 
 
 @pytest.mark.cpu_ranks

@@ -12,7 +12,7 @@ q head h reading kv head h // (Hq/Hkv)) works at any tp dividing Hq, in two layo
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -64,6 +64,10 @@ class KVLinear(nn.Module):
                 b = self.tp_shard_specs["bias"].shard(b, rank, tp)
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(b) if bias else None
+
+    def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
+        """The parameters whose gradient each tp rank holds only a part of: replicated weight and bias."""
+        return [p for p in (self.weight, self.bias) if p is not None] if self.replicated else []
 
     def local_weight_and_bias(self):
         """The [local_kv_heads*head_dim, hidden] weight (and bias) this rank multiplies by; replicated

@@ -13,12 +13,13 @@ GEMM; the norms, dropouts and residual adds run on 1/tp of the tokens. Without i
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ..parallel import comm
 from ..parallel.random import RNGTracker
 from ..parallel.state import group_rank, resolve_tp_group
 from .attention import ParallelAttention
@@ -74,14 +75,24 @@ class ParallelTransformerBlock(nn.Module):
             return torch_checkpoint(self.mlp, h, use_reentrant=False)
         return self.mlp(h)
 
+    def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
+        """The parameters whose gradient each tp rank holds only a part of (under SP the norms' weights
+        and biases and the row layers' biases; replicated k/v projections): the block sums all of
+        them over tp in one all-reduce at the end of its backward (comm.tp_grad_bucket)."""
+        return [p for m in self.modules() if m is not self and hasattr(m, "tp_partial_grad_parameters")
+                for p in m.tp_partial_grad_parameters()]
+
     def _forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            h, residual = self.attn_norm(x), x
-        else:
-            h, residual = self.attn_norm(x, residual=residual)
-        a = self._dropout(self.attn(h))
-        h, residual = self.mlp_norm(a, residual=residual)
-        return self._dropout(self._run_mlp(h)), residual
+        # one all-reduce for the block's partial gradients instead of one per norm and row bias: at tp=2
+        # each costs ~30 us of a serial chain, four per block (docs/performance.md, ninth session)
+        with comm.tp_grad_bucket(self.tp_partial_grad_parameters(), self.process_group):
+            if residual is None:
+                h, residual = self.attn_norm(x), x
+            else:
+                h, residual = self.attn_norm(x, residual=residual)
+            a = self._dropout(self.attn(h))
+            h, residual = self.mlp_norm(a, residual=residual)
+            return self._dropout(self._run_mlp(h)), residual
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.checkpoint == "full" and torch.is_grad_enabled():

@@ -4,8 +4,8 @@ Under tensor parallelism a training step issues, per block and direction, dozens
 collectives, each with its own Python and launch cost; at tp=2 on fast GPUs the host then takes
 longer to issue a step than the GPUs take to run it (docs/performance.md, third session). Captured
 once, the whole stack's forward (every block, its collectives included) is one `replay()`, and so
-is its backward (activation gradients, parameter gradients, the all-reduces of sequence-parallel
-partial gradients): the host cost of the stack no longer grows with its depth.
+is its backward (activation gradients, parameter gradients, and one all-reduce of all the
+sequence-parallel partial gradients): the host cost of the stack no longer grows with its depth.
 
 What a replay assumes, checked where it can be:
 - the same input shape, dtype and device, grad mode on, the same autocast state and the same
@@ -32,12 +32,13 @@ replays (static inputs, the autograd Function, gradient accumulation) runs in CI
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
-from ..parallel import peer_collectives
+from ..parallel import comm, peer_collectives
 
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
 
@@ -152,9 +153,20 @@ class GraphedBlocks:
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         residual = None
-        for block in self.blocks:
-            x, residual = block(x, residual)
+        with self._one_grad_bucket():
+            for block in self.blocks:
+                x, residual = block(x, residual)
         return x, residual
+
+    def _one_grad_bucket(self):
+        """One comm.tp_grad_bucket for every block's partial-gradient parameters when the blocks share
+        one tp group: the captured backward then sums them all in one all-reduce, at its end, rather
+        than one per block (the blocks' own buckets find their parameters already held)."""
+        groups = {id(getattr(b, "process_group", None)) for b in self.blocks}
+        if len(groups) != 1 or not all(hasattr(b, "tp_partial_grad_parameters") for b in self.blocks):
+            return contextlib.nullcontext()
+        params = [p for b in self.blocks for p in b.tp_partial_grad_parameters()]
+        return comm.tp_grad_bucket(params, self.blocks[0].process_group)
 
     def _forward(self) -> None:
         self.outputs = self._run_blocks(self.static_x)

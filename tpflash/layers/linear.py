@@ -192,6 +192,10 @@ class RowParallelLinear(nn.Module):
         under autocast); under SP the bias gradient is summed over tp."""
         return add_bias(y, self._bias_summed_over_tp())
 
+    def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
+        """The parameters whose gradient each tp rank holds only a part of: under SP, the bias."""
+        return [self.bias] if self.bias is not None and self.sequence_parallel else []
+
     def _bias_summed_over_tp(self) -> Optional[torch.Tensor]:
         """The bias, its gradient summed over tp under SP (each rank's tokens give a part of it)."""
         if self.bias is not None and self.sequence_parallel:

@@ -8,7 +8,7 @@ all-reduce backward), which sums the partials, the same way RowParallelLinear tr
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -55,6 +55,10 @@ class ParallelNorm(nn.Module):
             return comm.copy_to_tp_region(self.weight, self.process_group), None
         weight, bias = comm.copy_to_tp_region_many([self.weight, self.bias], self.process_group)
         return weight, bias
+
+    def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
+        """The parameters whose gradient each tp rank holds only a part of: under SP, weight and bias."""
+        return [p for p in (self.weight, self.bias) if p is not None] if self.sequence_parallel else []
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:

@@ -4,7 +4,8 @@ Every function takes the group explicitly; `group=None` (or a group of one) make
 identity, so layers built on these also run in a plain single-process script.
 
 Forward / backward pairs (the duals of each other):
-    copy_to_tp_region        identity        / all-reduce   (copy_to_tp_region_many: one for several)
+    copy_to_tp_region        identity        / all-reduce   (copy_to_tp_region_many: one for several;
+                                                              tp_grad_bucket: one for a whole block)
     reduce_from_tp_region    all-reduce      / identity
     split_along_dim          keep own chunk  / all-gather
     gather_along_dim         all-gather      / keep own chunk
@@ -18,7 +19,8 @@ TPFLASH_COMM_BACKEND: by default inside CUDA-graph capture; issued in stream ord
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+import contextlib
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -156,7 +158,7 @@ class _CopyToRegion(torch.autograd.Function):
 
 
 class _CopyManyToRegion(torch.autograd.Function):
-    """_CopyToRegion for several tensors of one dtype: their gradients are all-reduced as one flat buffer."""
+    """_CopyToRegion for several tensors: their gradients are all-reduced as one flat buffer per dtype."""
 
     @staticmethod
     def forward(ctx, group, *xs):
@@ -165,9 +167,14 @@ class _CopyManyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        sums = all_reduce(flat, ctx.group).split([g.numel() for g in grads])
-        return (None, *(s.view_as(g) for s, g in zip(sums, grads)))
+        sums, by_dtype = list(grads), {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        for idx in by_dtype.values():
+            flat = all_reduce(torch.cat([grads[i].reshape(-1) for i in idx]), ctx.group)
+            for i, s in zip(idx, flat.split([grads[i].numel() for i in idx])):
+                sums[i] = s.view_as(grads[i])
+        return (None, *sums)
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -217,19 +224,54 @@ class _AllGatherReduceScatter(torch.autograd.Function):
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Identity forward; all-reduce of the gradient backward (input of a column-parallel layer)."""
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+    """Identity forward; all-reduce of the gradient backward (input of a column-parallel layer).
+    Inside a `tp_grad_bucket` holding x, x's alias from the bucket (its gradient summed there)."""
+    if group_size(group) == 1:
+        return x
+    alias = _bucketed(x, group)
+    return _CopyToRegion.apply(x, group) if alias is None else alias
 
 
 def copy_to_tp_region_many(xs: Sequence[torch.Tensor], group: ProcessGroup) -> Tuple[torch.Tensor, ...]:
-    """copy_to_tp_region of each tensor, with all their gradients summed in ONE all-reduce (a norm's
-    weight and bias under SP: the collective's latency, not its bytes, is its cost). Tensors of
-    different dtypes fall back to one all-reduce each."""
+    """copy_to_tp_region of each tensor, with all their gradients summed in ONE all-reduce per dtype (a
+    norm's weight and bias under SP: the collective's latency, not its bytes, is its cost). Tensors
+    held by an open `tp_grad_bucket` come out as the bucket's aliases."""
     if group_size(group) == 1:
         return tuple(xs)
-    if len({x.dtype for x in xs}) > 1:
-        return tuple(copy_to_tp_region(x, group) for x in xs)
-    return _CopyManyToRegion.apply(group, *xs)
+    out = [_bucketed(x, group) for x in xs]
+    rest = [i for i, alias in enumerate(out) if alias is None]
+    if rest:
+        for i, alias in zip(rest, _CopyManyToRegion.apply(group, *(xs[i] for i in rest))):
+            out[i] = alias
+    return tuple(out)
+
+
+_open_buckets: List[Tuple[ProcessGroup, Dict[int, torch.Tensor]]] = []  # (group, id(tensor) -> alias), innermost last
+
+
+@contextlib.contextmanager
+def tp_grad_bucket(params: Sequence[torch.Tensor], group: ProcessGroup):
+    """Inside this context, `copy_to_tp_region(p, group)` of any p in params returns one alias of p made
+    on entry, so that the partial gradients of all of them (e.g. a block's norm weights and row-layer
+    biases under sequence parallelism) are summed over tp by ONE all-reduce per dtype, when the last
+    of them is known (the entry point is the first use in the forward, so its backward runs last),
+    instead of one all-reduce per use. Tensors already in an enclosing bucket of the group stay
+    there. The aliases are only for use inside the context. Process group: `group`."""
+    fresh = [p for p in params if _bucketed(p, group) is None] if group_size(group) > 1 else []
+    aliases = _CopyManyToRegion.apply(group, *fresh) if fresh else ()
+    _open_buckets.append((group, {id(p): alias for p, alias in zip(fresh, aliases)}))
+    try:
+        yield
+    finally:
+        _open_buckets.pop()
+
+
+def _bucketed(x: torch.Tensor, group: ProcessGroup) -> Optional[torch.Tensor]:
+    """x's alias from the innermost open tp_grad_bucket of group that holds it, else None."""
+    for bucket_group, aliases in reversed(_open_buckets):
+        if bucket_group is group and id(x) in aliases:
+            return aliases[id(x)]
+    return None
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
