@@ -54,7 +54,7 @@ def test_block_matches_reference(ranks, tp, family, sequence_parallel):
 def one_all_reduce_body(tp, family):
     """Under SP a block's partial gradients (norms, row biases, replicated k/v) are summed in one
     all-reduce for the whole block (comm.tp_grad_bucket), not one per norm and bias."""
-    ps = init_tp(tp)
+    init_tp(tp)
     kw = GPT2 if family == "gpt2" else dict(LLAMA, n_kv_head=1)  # llama: k/v replicated over tp
     torch.manual_seed(0)
     block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, sequence_parallel=True, **kw)
