@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Same-run A/B of a training step (nvidia-h200-x2): an older tree against the working tree,
 # alternating twice at tp=2 ($TP2_MODELS, default gpt-1.3b,gpt-2.7b; impl $TP2_IMPL, default
-# tpflash-nooverlap; $ROUNDS rounds, default 2) and at tp=1 (gpt-1.3b; impl $TP1_IMPL, default tpflash;
+# tpflash-nooverlap; $ROUNDS rounds, default 2) and at tp=1 ($TP1_MODELS, default gpt-1.3b; impl $TP1_IMPL, default tpflash;
 # $TP1_ROUNDS rounds, default 1; TP1=0 skips it). With $MID set, a third tree runs between old and
 # new in every tp=2 round. ROUNDS=0 runs tp=1 only (one GPU is enough).
 # Timings move between machines, so compare only within one call. Make the old tree here first:
@@ -25,6 +25,6 @@ for round in $(seq 1 ${ROUNDS:-2}); do
 done
 [ "${TP1:-1}" = 0 ] && exit 0
 for round in $(seq 1 ${TP1_ROUNDS:-1}); do
-  bench "$OLD" old 1 gpt-1.3b $TP1_IMPL
-  bench . new 1 gpt-1.3b $TP1_IMPL
+  bench "$OLD" old 1 ${TP1_MODELS:-gpt-1.3b} $TP1_IMPL
+  bench . new 1 ${TP1_MODELS:-gpt-1.3b} $TP1_IMPL
 done

@@ -6,7 +6,7 @@ import torch
 
 from tests.distributed.checks import assert_close, init_tp
 from tests.models.reference import RefBlock, check_against_reference, seq_rows
-from tpflash.layers import ParallelTransformerBlock
+from tpflash.layers import ParallelTransformerBlock, weight_casts
 from tpflash.parallel import comm
 from tpflash.parallel.random import RNGTracker
 
@@ -79,6 +79,29 @@ def one_all_reduce_body(tp, family):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_block_sums_its_partial_gradients_in_one_all_reduce(ranks, tp, family):
     ranks(tp).run(one_all_reduce_body, tp, family)
+
+
+def cast_lookups_body(tp):
+    """Under autocast with SP, every weight cast the block's layers ask for comes from the block's one
+    multi-tensor cast (weight_casts.cast_once), the row biases' tp_grad_bucket aliases included."""
+    init_tp(tp)
+    torch.manual_seed(0)
+    block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, sequence_parallel=True, **GPT2)
+    misses, real = [], weight_casts.cached_cast
+    weight_casts.cached_cast = lambda ts, dtype: real(ts, dtype) if real(ts, dtype) is not None else misses.append(
+        [tuple(t.shape) for t in ts])
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, residual = block(torch.randn(8 // tp, 2, HIDDEN))
+        (out.float() + residual.float()).sum().backward()
+    finally:
+        weight_casts.cached_cast = real
+    assert not misses, f"casts made outside the block's one cast: {misses}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_block_under_sp_takes_every_weight_cast_from_its_one_cast(ranks, tp):
+    ranks(tp).run(cast_lookups_body, tp)
 
 
 @pytest.mark.parametrize("checkpoint", ["full", "mlp"])

@@ -12,7 +12,7 @@ q head h reading kv head h // (Hq/Hkv)) works at any tp dividing Hq, in two layo
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -123,6 +123,14 @@ class ParallelAttention(nn.Module):
                                         process_group=self.process_group, init_method=out_init_method,
                                         device=device, dtype=dtype)
         self.rotary = RotaryEmbedding(self.head_dim, rope_theta) if position == "rotary" else None
+
+    def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
+        """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once)."""
+        groups = [(self.o_proj.weight,), (self.o_proj.bias,)]
+        if not self.k_proj.replicated:  # replicated k/v multiply one head's rows of their weight
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            groups += [tuple(p.weight for p in projections), tuple(p.bias for p in projections)]
+        return groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (k_w, k_b), (v_w, v_b) = self.k_proj.local_weight_and_bias(), self.v_proj.local_weight_and_bias()

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import column_sum
+from .weight_casts import stacked_cast
 
 _MM_OUT_DTYPE = [None]  # whether torch.mm(..., out_dtype=) works here; found on first use
 _ADDMM_OUT_DTYPE = [None]  # the same for torch.addmm(..., out_dtype=, out=)
@@ -47,17 +48,6 @@ def _weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor, into: Optional[torc
     return product if into is None else into.add_(product)
 
 
-def _stack(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The tensors concatenated along dim 0 in `dtype`, cast and copied in one pass each."""
-    if len(tensors) == 1:
-        return tensors[0].to(dtype)
-    out = torch.empty((sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:]),
-                      dtype=dtype, device=tensors[0].device)
-    for part, t in zip(out.split([t.shape[0] for t in tensors]), tensors):
-        part.copy_(t)
-    return out
-
-
 class _StackedLinear(torch.autograd.Function):
     """[x W_i^T + b_i] for n weights sharing the input x, as ONE GEMM per direction over the weights
     stacked by rows, in `dtype`: x [*, in], W_i [out_i, in] -> (y_1 [*, out_1], ..., y_n) (views of
@@ -70,8 +60,8 @@ class _StackedLinear(torch.autograd.Function):
         ctx.x_dtype, ctx.sizes = x.dtype, [w.shape[0] for w in weights]
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         with torch.autocast(x.device.type, enabled=False):
-            x_c, w_c = x.to(dtype), _stack(weights, dtype)  # w_c [sum out, in]
-            b_c = None if biases[0] is None else _stack(biases, dtype)
+            x_c, w_c = x.to(dtype), stacked_cast(weights, dtype)  # w_c [sum out, in]
+            b_c = None if biases[0] is None else stacked_cast(biases, dtype)
             y = F.linear(x_c, w_c, b_c)  # [*, sum out]
         ctx.save_for_backward(x_c, w_c)
         return tuple(y.split(ctx.sizes, dim=-1))
@@ -119,7 +109,7 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
             biases: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     """[F.linear(x, W_i, b_i)] for weights sharing the input x (q/k/v, up/gate): x [*, in],
     W_i [out_i, in] -> [*, out_i] each. While gradients are on, the weights are stacked (cast into
-    one buffer) and multiplied in one GEMM per direction: one wider GEMM runs closer to peak than n
+    one buffer; inside `weight_casts.cast_once`, a view of its buffer) and multiplied in one GEMM per direction: one wider GEMM runs closer to peak than n
     narrow ones, and x's gradient comes out of one GEMM instead of n GEMMs and n-1 additions.
     Without gradients (inference) the n GEMMs run as they are, and no weights are copied."""
     if len(weights) != len(biases):
@@ -143,7 +133,7 @@ class _AddBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, bias):
         ctx.bias_dtype = bias.dtype
-        return y + bias.to(y.dtype)
+        return y + stacked_cast([bias], y.dtype)
 
     @staticmethod
     def backward(ctx, grad):

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ..parallel import comm
 from ..parallel.random import RNGTracker
 from ..parallel.state import group_rank, resolve_tp_group
+from . import weight_casts
 from .attention import ParallelAttention
 from .linear import InitMethod
 from .mlp import ParallelMLP
@@ -82,10 +83,16 @@ class ParallelTransformerBlock(nn.Module):
         return [p for m in self.modules() if m is not self and hasattr(m, "tp_partial_grad_parameters")
                 for p in m.tp_partial_grad_parameters()]
 
+    def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
+        """The tensors the block's forward casts to the compute dtype, grouped as its layers stack them."""
+        return self.attn.weight_cast_groups() + self.mlp.weight_cast_groups()
+
     def _forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        # one all-reduce for the block's partial gradients instead of one per norm and row bias: at tp=2
-        # each costs ~30 us of a serial chain, four per block (docs/performance.md, ninth session)
-        with comm.tp_grad_bucket(self.tp_partial_grad_parameters(), self.process_group):
+        # One all-reduce for the block's partial gradients instead of one per norm and row bias (at tp=2
+        # each cost ~30 us of a serial chain), and one multi-tensor cast of its weights instead of ~10
+        # cast kernels (docs/performance.md, ninth session). Outer scopes (GraphedBlocks) take precedence.
+        with comm.tp_grad_bucket(self.tp_partial_grad_parameters(), self.process_group), \
+                weight_casts.cast_once(self.weight_cast_groups(), weight_casts.compute_dtype(x)):
             if residual is None:
                 h, residual = self.attn_norm(x), x
             else:

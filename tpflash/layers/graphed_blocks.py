@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from ..parallel import comm, peer_collectives
+from . import weight_casts
 
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
 
@@ -153,7 +154,7 @@ class GraphedBlocks:
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         residual = None
-        with self._one_grad_bucket():
+        with self._one_grad_bucket(), self._one_weight_cast(x):
             for block in self.blocks:
                 x, residual = block(x, residual)
         return x, residual
@@ -167,6 +168,14 @@ class GraphedBlocks:
             return contextlib.nullcontext()
         params = [p for b in self.blocks for p in b.tp_partial_grad_parameters()]
         return comm.tp_grad_bucket(params, self.blocks[0].process_group)
+
+    def _one_weight_cast(self, x: torch.Tensor):
+        """One weight_casts.cast_once for every block's weights: a few multi-tensor copy kernels at the
+        start of the captured forward instead of one small cast kernel per weight."""
+        if not all(hasattr(b, "weight_cast_groups") for b in self.blocks):
+            return contextlib.nullcontext()
+        groups = [g for b in self.blocks for g in b.weight_cast_groups()]
+        return weight_casts.cast_once(groups, weight_casts.compute_dtype(x))
 
     def _forward(self) -> None:
         self.outputs = self._run_blocks(self.static_x)

@@ -1,7 +1,7 @@
 """Tensor-parallel feed-forward block: column-parallel up (and gate) projection, row-parallel down."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -55,6 +55,17 @@ class ParallelMLP(nn.Module):
         self.down_proj = RowParallelLinear(ffn_hidden, hidden, bias=bias, sequence_parallel=sequence_parallel,
                                            process_group=self.process_group, init_method=out_init_method,
                                            device=device, dtype=dtype)
+
+    def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
+        """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once):
+        none on the fused-dense path, which casts its own; the activation kernel takes up_proj's bias as is."""
+        if self.fused_dense:
+            return []
+        groups = [(self.down_proj.weight,), (self.down_proj.bias,)]
+        if self.gate_proj is None:
+            return groups + [(self.up_proj.weight,)]
+        projections = (self.up_proj, self.gate_proj)
+        return groups + [tuple(p.weight for p in projections), tuple(p.bias for p in projections)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_dense:

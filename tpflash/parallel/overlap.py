@@ -44,6 +44,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..layers.weight_casts import stacked_cast
 from . import comm, peer_collectives
 from .state import group_size
 
@@ -199,7 +200,7 @@ def linear_compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return None if t is None else t.to(dtype)
+    return None if t is None else stacked_cast([t], dtype)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -229,7 +230,7 @@ class _AllGatherLinear(torch.autograd.Function):
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.has_bias = [b is not None for b in params[n:]]
         x = x_local.to(dtype).contiguous()
-        weights, biases = [w.to(dtype) for w in params[:n]], [_cast(b, dtype) for b in params[n:]]
+        weights, biases = [stacked_cast([w], dtype) for w in params[:n]], [_cast(b, dtype) for b in params[n:]]
         world, k = dist.get_world_size(group), num_pieces(x.shape[0])
         ctx.pieces = k
         lead = (world * x.shape[0],) + tuple(x.shape[1:-1])
@@ -286,7 +287,7 @@ class _LinearReduceScatter(torch.autograd.Function):
     def forward(ctx, h, weight, group):
         dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype)
-        h, w = h.to(dtype).contiguous(), weight.to(dtype)
+        h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
         world = dist.get_world_size(group)
         k = ctx.pieces = num_pieces(h.shape[0] // world)
         h4 = h.view(world, k, -1, h.shape[-1])  # [tp, k, m, in/tp]

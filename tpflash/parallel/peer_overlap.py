@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import column_sum
-from ..layers.autocast_linear import _stack, _weight_grad_fp32
+from ..layers.autocast_linear import _weight_grad_fp32
+from ..layers.weight_casts import stacked_cast
 from . import comm, peer_collectives
 from .overlap import _copy_engines_reach, _no_autocast, _rows, linear_compute_dtype
 
@@ -186,8 +187,8 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         rows = _rows(x_local.to(dtype))  # [s/tp*b, in]
         world = dist.get_world_size(group)
         with _no_autocast(rows):
-            w_c = _stack(weights, dtype)  # [sum out_i/tp, in]
-            b_c = None if biases[0] is None else _stack(biases, dtype)
+            w_c = stacked_cast(weights, dtype)  # [sum out_i/tp, in]
+            b_c = None if biases[0] is None else stacked_cast(biases, dtype)
             gather = _all_gather(rows, group, keep=save_gathered)
             out = rows.new_empty((world * rows.shape[0], w_c.shape[0]))  # [s*b, sum out_i/tp]
             _gather_multiply(gather, w_c.t(), b_c, out)
@@ -229,9 +230,9 @@ class _RowLinearOverPeers(torch.autograd.Function):
     def forward(ctx, h, weight, bias, group):
         dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype)
-        h, w = h.to(dtype).contiguous(), weight.to(dtype)
+        h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
         with _no_autocast(h):
-            y = _multiply_scatter(_rows(h), w.t(), group, None if bias is None else bias.to(dtype))  # [s/tp*b, out]
+            y = _multiply_scatter(_rows(h), w.t(), group, None if bias is None else stacked_cast([bias], dtype))  # [s/tp*b, out]
         ctx.save_for_backward(h, w)
         return y.view((h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],))
 

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..layers.weight_casts import stacked_cast
 from .overlap import _cast, linear_compute_dtype, _no_autocast, _rows
 
 _enabled_groups: set = set()
@@ -61,7 +62,7 @@ class _SymmAllGatherLinear(torch.autograd.Function):
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.has_bias = [b is not None for b in params[n:]]
         x = x_local.to(dtype).contiguous()
-        weights, biases = [w.to(dtype) for w in params[:n]], [_cast(b, dtype) for b in params[n:]]
+        weights, biases = [stacked_cast([w], dtype) for w in params[:n]], [_cast(b, dtype) for b in params[n:]]
         with _no_autocast(x):
             x_full, outs = torch.ops.symm_mem.fused_all_gather_matmul(
                 x, [w.t() for w in weights], 0, _group_name(group), return_A=True)  # [s, b, in], [s, b, out_i/tp]
@@ -93,7 +94,7 @@ class _SymmLinearReduceScatter(torch.autograd.Function):
     def forward(ctx, h, weight, group):
         dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype)
-        h, w = h.to(dtype).contiguous(), weight.to(dtype)
+        h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
         with _no_autocast(h):
             y = torch.ops.symm_mem.fused_matmul_reduce_scatter(h, w.t(), "sum", 0, _group_name(group))
         ctx.save_for_backward(h, w)

@@ -1,0 +1,105 @@
+"""A block's weights cast to the compute dtype by one multi-tensor copy per forward, not one cast each.
+
+Under autocast every GEMM multiplies bf16 copies of fp32 weights. Cast one by one, that is about ten
+small copy kernels per block and step (gpt-2.7b: 354 per step), each with its launch, and inside a
+CUDA graph a dependency gap after it (docs/performance.md, ninth session). Inside `cast_once(groups,
+dtype)` those casts are done on entry by `torch._foreach_copy_` (a few multi-tensor kernels for all
+of them) into one buffer, each group of tensors side by side, so that a group multiplied as one
+stacked weight (q/k/v, up/gate: tpflash.layers.autocast_linear) is a view of it too. `stacked_cast`
+is what the layers call: a view from the open cast, else the usual cast and copy.
+
+Tensors are recognised by storage address and shape, so an alias of a parameter (e.g. from
+tpflash.parallel.comm.tp_grad_bucket) finds the parameter's cast. The casts are valid while the
+tensors do not change, i.e. within one forward; the layers' backward uses the copies it saved.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+_open_casts: List[Tuple[torch.dtype, Dict[tuple, torch.Tensor]]] = []  # innermost last: key -> cast view
+
+
+def _key(tensors: Sequence[torch.Tensor]) -> tuple:
+    return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
+
+
+def compute_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype the layers will multiply in for input x: autocast's, while autocast and gradients are
+    on (the case where the layers cast their fp32 weights themselves), else None."""
+    device = x.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) and torch.is_grad_enabled():
+        return torch.get_autocast_dtype(device)
+    return None
+
+
+@contextlib.contextmanager
+def cast_once(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optional[torch.dtype]):
+    """Inside, `stacked_cast(group, dtype)` of any group here (or of one of its tensors) returns a view
+    of one buffer filled on entry by one multi-tensor copy. groups: tuples of tensors whose shapes
+    agree past dim 0 (e.g. (W_q, W_k, W_v), (b_q, b_k, b_v), (W_o,)); groups holding None, tensors
+    already in `dtype`, non-contiguous tensors, another device than the first's, and groups an
+    enclosing cast_once holds already are left out.
+    dtype None: nothing is cast (a no-op context)."""
+    groups = [tuple(g) for g in groups if g and all(_castable(t, dtype) for t in g)] if dtype is not None else []
+    device = groups[0][0].device if groups else None
+    groups = [g for g in groups if all(t.device == device for t in g) and _lookup(g, dtype) is None]
+    if not groups:
+        yield
+        return
+    tensors = [t for g in groups for t in g]
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+    pieces = flat.split([t.numel() for t in tensors])
+    views = [piece.view(t.shape) for piece, t in zip(pieces, tensors)]
+    with torch.no_grad():
+        torch._foreach_copy_(views, tensors)
+    cache, start, offset = {}, 0, 0
+    for g in groups:
+        numel = sum(t.numel() for t in g)
+        if all(t.shape[1:] == g[0].shape[1:] for t in g):  # stackable along dim 0
+            shape = (sum(t.shape[0] for t in g),) + tuple(g[0].shape[1:])
+            cache[_key(g)] = flat[offset:offset + numel].view(shape)
+        for t, view in zip(g, views[start:start + len(g)]):
+            cache[_key((t,))] = view
+        start, offset = start + len(g), offset + numel
+    _open_casts.append((dtype, cache))
+    try:
+        yield
+    finally:
+        _open_casts.pop()
+
+
+def _castable(t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
+    return t is not None and t.is_floating_point() and t.dtype != dtype and t.is_contiguous() and t.numel() > 0
+
+
+def cached_cast(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The tensors' stacked cast to `dtype` from the innermost open `cast_once` holding them, else None."""
+    return _lookup(tensors, dtype)
+
+
+def _lookup(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    if not _open_casts:
+        return None
+    key = _key(tensors)
+    for cast_dtype, cache in reversed(_open_casts):
+        if cast_dtype == dtype and key in cache:
+            return cache[key]
+    return None
+
+
+def stacked_cast(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The tensors concatenated along dim 0 in `dtype`: a view of the innermost open `cast_once` that
+    holds them, else cast and copied in one pass each."""
+    cached = cached_cast(tensors, dtype)
+    if cached is not None:
+        return cached
+    if len(tensors) == 1:
+        return tensors[0].to(dtype)
+    out = torch.empty((sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:]),
+                      dtype=dtype, device=tensors[0].device)
+    for part, t in zip(out.split([t.shape[0] for t in tensors]), tensors):
+        part.copy_(t)
+    return out
