@@ -3,7 +3,7 @@
 # alternating twice at tp=2 ($TP2_MODELS, default gpt-1.3b,gpt-2.7b; impl $TP2_IMPL, default
 # tpflash-nooverlap; $ROUNDS rounds, default 2) and at tp=1 ($TP1_MODELS, default gpt-1.3b; impl $TP1_IMPL, default tpflash;
 # $TP1_ROUNDS rounds, default 1; TP1=0 skips it). With $MID set, a third tree runs between old and
-# new in every tp=2 round. ROUNDS=0 runs tp=1 only (one GPU is enough).
+# new in every round. ROUNDS=0 runs tp=1 only (one GPU is enough).
 # Timings move between machines, so compare only within one call. Make the old tree here first:
 #   mkdir -p .ab/old && git archive <rev> | tar -x -C .ab/old     (.ab ignored via .git/info/exclude)
 # then call the device tool with carry [".ab"] and: OUT=$OUT OLD=.ab/old bash scripts/gpu_ab.sh
@@ -26,5 +26,6 @@ done
 [ "${TP1:-1}" = 0 ] && exit 0
 for round in $(seq 1 ${TP1_ROUNDS:-1}); do
   bench "$OLD" old 1 ${TP1_MODELS:-gpt-1.3b} $TP1_IMPL
+  [ -z "${MID:-}" ] || bench "$MID" mid 1 ${TP1_MODELS:-gpt-1.3b} $TP1_IMPL
   bench . new 1 ${TP1_MODELS:-gpt-1.3b} $TP1_IMPL
 done
