@@ -161,6 +161,22 @@ def bench_column_sum(copy_gbs):
                 f"GB/s, CUDA graph (copy {copy_gbs:.0f})")
 
 
+def bench_concat(copy_gbs):
+    """The stacked q/k/v gradient: concat_with_column_sum (one pass: cat and the biases' column sums)
+    against torch.cat + column_sum (before), on [s, b, c] views of [b, s, c] memory as the attention
+    returns them. Microseconds per call in a CUDA graph over 4 inputs (read from HBM)."""
+    from tpflash.kernels import concat_with_column_sum
+    for width in (2048, 1280):  # gpt-1.3b at tp=1, gpt-2.7b at tp=2
+        inputs = [[torch.randn(4, 2048, width, device=DEV, dtype=BF16).transpose(0, 1) for _ in range(3)]
+                  for _ in range(4)]
+        impls = {"tpflash": concat_with_column_sum,
+                 "torch.cat + column_sum": lambda ps: (lambda y: (y, column_sum(y)))(torch.cat(ps, -1).view(-1, 3 * width))}
+        for name, fn in impls.items():
+            ms = do_bench_cudagraph(lambda: [fn(ps) for ps in inputs]) / len(inputs)
+            row("concat_with_column_sum", f"3 x [2048, 4, {width}] bf16", name, 1000 * ms, "",
+                f"us, CUDA graph (copy {copy_gbs:.0f} GB/s)")
+
+
 def bench_bias_activation(copy_gbs):
     """The MLP's activation with its bias: tpflash's bias_activation (forward: GELU(y + b); backward: dy
     and the bias gradient's column sum in one pass) against what the MLP ran before it (the bias in
@@ -216,7 +232,7 @@ def main():
     p.add_argument("--seqs", default="1024,4096,16384", help="attention sequence lengths, comma list")
     p.add_argument("--attention-only", action="store_true", help="skip the memory-bound and linear+CE parts")
     p.add_argument("--no-attention", action="store_true", help="skip the attention part")
-    p.add_argument("--only", default="", choices=("", "bias_activation", "column_sum", "memory_bound"),
+    p.add_argument("--only", default="", choices=("", "bias_activation", "column_sum", "concat", "memory_bound"),
                    help="run only this memory-bound part")
     args = p.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
@@ -233,6 +249,7 @@ def main():
         return 0
     bench_memory_bound(copy_gbs)
     bench_column_sum(copy_gbs)
+    bench_concat(copy_gbs)
     bench_bias_activation(copy_gbs)
     bench_fused_linear_ce()
     return 0

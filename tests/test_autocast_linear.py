@@ -1,4 +1,6 @@
 """tpflash.layers.autocast_linear.linear: F.linear under autocast, weight/bias gradients straight in fp32."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,6 +138,19 @@ def test_linears_under_autocast_match_linear_per_weight_with_fp32_parameter_grad
     for g, g0 in zip(grads, grads0):
         assert g.dtype == torch.float32 and g0.dtype == torch.float32
         assert_rel(g, g0, torch.bfloat16, "gradient")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="Triton on CPU needs TRITON_INTERPRET=1")
+def test_linears_with_the_triton_concat_and_bias_sum_equal_one_linear_per_weight():
+    # the stacked backward's concatenation and bias sums through kernels.concat_with_column_sum (Triton)
+    from tpflash.kernels import use_backend
+    from tpflash.layers.autocast_linear import linears
+    case = _stacked_case(True)
+    with use_backend("triton"):
+        _, grads = _grads(linears, *case, autocast=False)
+    _, grads0 = _grads(lambda x, ws, bs: [F.linear(x, w, b) for w, b in zip(ws, bs)], *case, autocast=False)
+    for g, g0 in zip(grads, grads0):
+        torch.testing.assert_close(g, g0)
 
 
 def test_linears_leave_an_unused_output_with_zero_weight_gradient():

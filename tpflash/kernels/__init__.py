@@ -1,17 +1,18 @@
 """Fused kernels (Triton on CUDA), each beside a plain-PyTorch reference. Knows nothing of process groups.
 
-Public kernels: flash_attention, layer_norm, rms_norm, apply_rotary, column_sum, bias_activation, the
+Public kernels: flash_attention, layer_norm, rms_norm, apply_rotary, column_sum (and
+concat_with_column_sum), bias_activation, the
 cross-entropy row kernels used by tpflash.losses, and fused_dense / fused_dense_gelu_dense (the optional
 csrc/ extension). `use_backend("triton"|"reference"|"auto")` or the environment variable
 TPFLASH_KERNELS picks the implementation (auto: Triton on CUDA, reference on CPU).
 """
 from .attention import flash_attention
 from .bias_activation import bias_activation
-from .column_sum import column_sum
+from .column_sum import column_sum, concat_with_column_sum
 from .dispatch import BACKENDS, requested_backend, use_backend
 from .fused_dense import FusedDense, FusedDenseGeluDense, fused_dense, fused_dense_gelu_dense
 from .norm import layer_norm, rms_norm
 from .rotary import apply_rotary
 
 __all__ = ["BACKENDS", "FusedDense", "FusedDenseGeluDense", "apply_rotary", "bias_activation", "column_sum",
-           "flash_attention", "fused_dense", "fused_dense_gelu_dense", "layer_norm", "requested_backend", "rms_norm", "use_backend"]
+           "concat_with_column_sum", "flash_attention", "fused_dense", "fused_dense_gelu_dense", "layer_norm", "requested_backend", "rms_norm", "use_backend"]

@@ -1,6 +1,8 @@
 """Public fp32 column sum (the bias gradients' reduction over tokens): checks and dispatch."""
 from __future__ import annotations
 
+from typing import Sequence, Tuple
+
 import torch
 
 from . import dispatch
@@ -20,3 +22,29 @@ def column_sum(x: torch.Tensor) -> torch.Tensor:
         from .column_sum_kernel import triton_column_sum
         return triton_column_sum(x)
     return x.sum(0, dtype=torch.float32)
+
+
+def concat_with_column_sum(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(torch.cat(parts, dim=-1) as a contiguous [rows, sum c_i] matrix, its fp32 column sums [sum c_i])
+    for 1-3 float parts of one dtype and device, each [*, c_i] with the same leading sizes (rows =
+    their product). The stacked layers' backward: the gradient of their outputs for one GEMM and the
+    biases' gradient.
+
+    On the Triton backend one pass (tpflash.kernels.concat_sum_kernel) reads each part once, through
+    its row strides when it is 2-D or 3-D with last-dim stride 1, and writes the result once;
+    otherwise torch.cat and a torch sum.
+    """
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"concat_with_column_sum takes 1 to 3 parts, got {len(parts)}")
+    first = parts[0]
+    for i, p in enumerate(parts):
+        if p.shape[:-1] != first.shape[:-1] or p.dtype != first.dtype or p.device != first.device:
+            raise ValueError(f"concat_with_column_sum: part {i} is {p.dtype} {tuple(p.shape)} on {p.device}; every "
+                             f"part must be {first.dtype} on {first.device} with leading sizes {tuple(first.shape[:-1])}")
+    total = sum(p.shape[-1] for p in parts)
+    if (first.is_floating_point() and first.dim() in (2, 3) and first.shape[:-1].numel() > 0
+            and all(p.stride(-1) == 1 for p in parts) and dispatch.pick(first) == "triton"):
+        from .concat_sum_kernel import triton_concat_with_column_sum
+        return triton_concat_with_column_sum(parts)
+    out = torch.cat(list(parts), dim=-1).reshape(-1, total)
+    return out, out.sum(0, dtype=torch.float32)

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..kernels import column_sum
+from ..kernels import column_sum, concat_with_column_sum
 from .weight_casts import stacked_cast
 
 _MM_OUT_DTYPE = [None]  # whether torch.mm(..., out_dtype=) works here; found on first use
@@ -71,16 +71,21 @@ class _StackedLinear(torch.autograd.Function):
         x_c, w_c = ctx.saved_tensors
         grad_ys = [torch.zeros(x_c.shape[:-1] + (size,), dtype=w_c.dtype, device=w_c.device) if g is None
                    else g.to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]
-        grad_y = grad_ys[0] if len(grad_ys) == 1 else torch.cat(grad_ys, dim=-1)  # [*, sum out]
-        rows = grad_y.reshape(-1, grad_y.shape[-1])  # [tokens, sum out]
         n = len(ctx.sizes)
+        bias_sums = None
+        if n > 1 and ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:]):
+            rows, bias_sums = concat_with_column_sum(grad_ys)  # [tokens, sum out] and its column sums, one pass
+            grad_y = rows.view(x_c.shape[:-1] + (rows.shape[-1],))
+        else:
+            grad_y = grad_ys[0] if n == 1 else torch.cat(grad_ys, dim=-1)  # [*, sum out]
+            rows = grad_y.reshape(-1, grad_y.shape[-1])  # [tokens, sum out]
         grad_x, grads = None, [None] * (2 * n)
         if ctx.needs_input_grad[0]:
             grad_x = (grad_y @ w_c).to(ctx.x_dtype)  # [*, in]
         if any(ctx.needs_input_grad[3:3 + n]):
             grads[:n] = _weight_grad_fp32(rows, x_c.reshape(-1, x_c.shape[-1])).split(ctx.sizes)
         if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:]):
-            grads[n:] = column_sum(rows).split(ctx.sizes)
+            grads[n:] = (column_sum(rows) if bias_sums is None else bias_sums).split(ctx.sizes)
         grads = [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.param_dtypes)]
         return (grad_x, None, None, *grads)
 

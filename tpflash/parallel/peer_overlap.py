@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..kernels import column_sum
+from ..kernels import column_sum, concat_with_column_sum
 from ..layers.autocast_linear import _weight_grad_fp32
 from ..layers.weight_casts import stacked_cast
 from . import comm, peer_collectives
@@ -202,9 +202,15 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         x_saved, w_c = ctx.saved_tensors  # x_saved: [s*b, in], or [s/tp*b, in] to gather again
         n, world = len(ctx.sizes), dist.get_world_size(ctx.group)
         rows = x_saved.shape[0] * (1 if ctx.save_gathered else world)
-        grads = [torch.zeros((rows, size), dtype=w_c.dtype, device=w_c.device) if g is None
-                 else _rows(g).to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]
-        grad_y = grads[0].contiguous() if n == 1 else torch.cat(grads, dim=-1)  # [s*b, sum out]
+        lead = next((g.shape[:-1] for g in grad_ys if g is not None), (rows,))  # [s, b] (or [s*b])
+        grads = [torch.zeros(lead + (size,), dtype=w_c.dtype, device=w_c.device) if g is None
+                 else g.to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]  # [s, b, out_i] (views)
+        has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[4 + n:])
+        bias_sums = None
+        if n > 1 and has_bias:  # concatenated and their column sums taken in one pass
+            grad_y, bias_sums = concat_with_column_sum(grads)  # [s*b, sum out]
+        else:
+            grad_y = _rows(grads[0]).contiguous() if n == 1 else torch.cat([_rows(g) for g in grads], dim=-1)
         with _no_autocast(x_saved):
             gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False)  # beside the GEMMs
             pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
@@ -213,8 +219,10 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             else:
                 grad_w = _weight_grad_over_gathered(grad_y, gather)
             grad_w = grad_w.split(ctx.sizes)
-            has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[4 + n:])
-            grad_b = column_sum(grad_y).split(ctx.sizes) if has_bias else [None] * n
+            if has_bias:
+                grad_b = (column_sum(grad_y) if bias_sums is None else bias_sums).split(ctx.sizes)
+            else:
+                grad_b = [None] * n
             grad_x = pending.finish_matmul(own_rows, w_c)  # [s/tp*b, in]: the parts are here by now
             if gather is not None:
                 gather.finish()
