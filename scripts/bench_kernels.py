@@ -169,8 +169,10 @@ def bench_concat(copy_gbs):
     for width in (2048, 1280):  # gpt-1.3b at tp=1, gpt-2.7b at tp=2
         inputs = [[torch.randn(4, 2048, width, device=DEV, dtype=BF16).transpose(0, 1) for _ in range(3)]
                   for _ in range(4)]
-        impls = {"tpflash": concat_with_column_sum,
-                 "torch.cat + column_sum": lambda ps: (lambda y: (y, column_sum(y)))(torch.cat(ps, -1).view(-1, 3 * width))}
+        def before(ps):
+            y = torch.cat(ps, -1).view(-1, 3 * width)
+            return y, column_sum(y)
+        impls = {"tpflash": concat_with_column_sum, "torch.cat + column_sum": before}
         for name, fn in impls.items():
             ms = do_bench_cudagraph(lambda: [fn(ps) for ps in inputs]) / len(inputs)
             row("concat_with_column_sum", f"3 x [2048, 4, {width}] bf16", name, 1000 * ms, "",

@@ -140,7 +140,8 @@ def test_linears_under_autocast_match_linear_per_weight_with_fp32_parameter_grad
         assert_rel(g, g0, torch.bfloat16, "gradient")
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="Triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                    reason="Triton on CPU needs TRITON_INTERPRET=1")
 def test_linears_with_the_triton_concat_and_bias_sum_equal_one_linear_per_weight():
     # the stacked backward's concatenation and bias sums through kernels.concat_with_column_sum (Triton)
     from tpflash.kernels import use_backend

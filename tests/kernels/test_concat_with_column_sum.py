@@ -93,7 +93,8 @@ signature = dict({"A": "*bf16", "B": "*bf16", "C": "*bf16", "OUT": "*bf16", "PAR
                  **{k: "i32" for k in ints}, BLOCK_R="constexpr", BLOCK_C="constexpr", STAGES="constexpr")
 cfg = LAUNCH[True]
 constexprs = {"BLOCK_R": cfg["BLOCK_R"], "BLOCK_C": cfg["BLOCK_C"], "STAGES": cfg["STAGES"]}
-compiled = triton.compile(ASTSource(_concat_sum_kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+compiled = triton.compile(ASTSource(_concat_sum_kernel, signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32))
 assert compiled.asm["cubin"]
 print("compiled")
 """

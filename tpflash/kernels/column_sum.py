@@ -39,8 +39,9 @@ def concat_with_column_sum(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor,
     first = parts[0]
     for i, p in enumerate(parts):
         if p.shape[:-1] != first.shape[:-1] or p.dtype != first.dtype or p.device != first.device:
-            raise ValueError(f"concat_with_column_sum: part {i} is {p.dtype} {tuple(p.shape)} on {p.device}; every "
-                             f"part must be {first.dtype} on {first.device} with leading sizes {tuple(first.shape[:-1])}")
+            raise ValueError(f"concat_with_column_sum: part {i} is {p.dtype} {tuple(p.shape)} on {p.device}; "
+                             f"every part must be {first.dtype} on {first.device} with leading sizes "
+                             f"{tuple(first.shape[:-1])}")
     total = sum(p.shape[-1] for p in parts)
     if (first.is_floating_point() and first.dim() in (2, 3) and first.shape[:-1].numel() > 0
             and all(p.stride(-1) == 1 for p in parts) and dispatch.pick(first) == "triton"):

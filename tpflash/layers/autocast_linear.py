@@ -114,8 +114,9 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
             biases: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     """[F.linear(x, W_i, b_i)] for weights sharing the input x (q/k/v, up/gate): x [*, in],
     W_i [out_i, in] -> [*, out_i] each. While gradients are on, the weights are stacked (cast into
-    one buffer; inside `weight_casts.cast_once`, a view of its buffer) and multiplied in one GEMM per direction: one wider GEMM runs closer to peak than n
-    narrow ones, and x's gradient comes out of one GEMM instead of n GEMMs and n-1 additions.
+    one buffer; inside `weight_casts.cast_once`, a view of its buffer) and multiplied in one GEMM
+    per direction: one wider GEMM runs closer to peak than n narrow ones, and x's gradient comes
+    out of one GEMM instead of n GEMMs and n-1 additions.
     Without gradients (inference) the n GEMMs run as they are, and no weights are copied."""
     if len(weights) != len(biases):
         raise ValueError(f"linears: {len(weights)} weights but {len(biases)} biases (one per weight, or None)")

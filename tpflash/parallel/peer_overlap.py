@@ -240,7 +240,8 @@ class _RowLinearOverPeers(torch.autograd.Function):
         ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
         with _no_autocast(h):
-            y = _multiply_scatter(_rows(h), w.t(), group, None if bias is None else stacked_cast([bias], dtype))  # [s/tp*b, out]
+            b_c = None if bias is None else stacked_cast([bias], dtype)
+            y = _multiply_scatter(_rows(h), w.t(), group, b_c)  # [s/tp*b, out]
         ctx.save_for_backward(h, w)
         return y.view((h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],))
 
