@@ -44,6 +44,7 @@ from tpflash.parallel import overlap, peer_collectives  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_peers import PlainGPT, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
 from e2e_profile import profile_exposed_comm  # noqa: E402
+from e2e_telemetry import GpuTelemetry  # noqa: E402
 
 MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560, layers=32, heads=32),
           "gpt-6.7b": dict(d=4096, layers=32, heads=32), "tiny": dict(d=64, layers=2, heads=4)}
@@ -118,18 +119,22 @@ def time_steps(loss_fn, step_context, opt, args, ps):
         return loss.detach()
 
     times, host, losses = [], [], []
-    for step in range(args.warmup + args.steps):
-        _sync(ps.device)
-        t0 = time.perf_counter()
-        loss = one_step()
-        t_host = time.perf_counter()  # the host has issued the whole step (no sync on the way)
-        _sync(ps.device)
-        if step >= args.warmup:
+    for _ in range(args.warmup):
+        one_step()
+    # the clock and power over the timed steps: a GPU at its power cap runs its GEMMs slower (e2e_telemetry)
+    telemetry = GpuTelemetry(ps.device.index if ps.device.type == "cuda" else -1)
+    with telemetry if ps.device.type == "cuda" else contextlib.nullcontext():
+        for _ in range(args.steps):
+            _sync(ps.device)
+            t0 = time.perf_counter()
+            loss = one_step()
+            t_host = time.perf_counter()  # the host has issued the whole step (no sync on the way)
+            _sync(ps.device)
             times.append(time.perf_counter() - t0)
             host.append(t_host - t0)
             losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
     # host_ms close to step_ms: the step is bound by Python/launch overhead (or syncs), not by the GPU
-    extra = {"host_ms": 1e3 * statistics.median(host)}
+    extra = {"host_ms": 1e3 * statistics.median(host), **telemetry.summary()}
     if args.profile and ps.device.type == "cuda":  # after timing: the profiler's overhead stays out of it
         try:
             extra.update(profile_exposed_comm(one_step, trace=_trace_path(args, ps), top=args.profile_top,
@@ -320,6 +325,8 @@ def table(rows: list) -> str:
             notes = [f"loss {r['loss']:.3f}", r.get("note")]
             if "host_ms" in r:
                 notes.append(f"host {r['host_ms']:.0f} ms")
+            if "sm_mhz" in r:
+                notes.append(f"SM {r['sm_mhz']:.0f} MHz, {r['power_w']:.0f} W")
             if "exposed_comm_ms" in r:
                 notes.append(f"comm {r['comm_ms']:.1f} ms/step, exposed {r['exposed_comm_ms']:.1f}")
             cells = [f"{r['tok_s_gpu']:,.0f}", f"{r['mfu']:.3f}", f"{r['step_ms']:.1f}",

@@ -46,3 +46,17 @@ def test_trace_lag_finds_idle_gaps_and_the_launching_op():
     assert abs(s["gpu_idle_ms"] - 0.090) < 1e-9
     assert s["idle_by_host_op_ms"] == [("aten::mm", 0.090, 1)]
     assert s["short_lag_fraction"] == 1.0
+
+
+def test_telemetry_parses_nvidia_smi_samples_and_skips_other_lines():
+    from e2e_telemetry import parse_samples
+    lines = ["1665, 688.12, Active", "1980, 95.40, Not Active", "", "[N/A], 90.0, Not Active", "garbage"]
+    assert parse_samples(lines) == [(1665.0, 688.12, True), (1980.0, 95.4, False)]
+
+
+def test_telemetry_without_nvidia_smi_gives_an_empty_summary(monkeypatch):
+    import e2e_telemetry
+    monkeypatch.setattr(e2e_telemetry.shutil, "which", lambda name: None)
+    with e2e_telemetry.GpuTelemetry(0) as tel:
+        pass
+    assert tel.summary() == {}
