@@ -123,7 +123,7 @@ def time_steps(loss_fn, step_context, opt, args, ps):
         one_step()
     # the clock and power over the timed steps: a GPU at its power cap runs its GEMMs slower (e2e_telemetry)
     telemetry = GpuTelemetry(ps.device.index if ps.device.type == "cuda" else -1)
-    with telemetry if ps.device.type == "cuda" else contextlib.nullcontext():
+    with telemetry if ps.device.type == "cuda" and not args.no_telemetry else contextlib.nullcontext():
         for _ in range(args.steps):
             _sync(ps.device)
             t0 = time.perf_counter()
@@ -349,6 +349,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--no-comm-probe", action="store_true", help="skip timing the collectives alone")
+    p.add_argument("--no-telemetry", action="store_true", help="do not sample the SM clock and power (nvidia-smi)")
     p.add_argument("--results", default="bench_e2e.jsonl", help="JSON lines, appended; the table covers all")
     p.add_argument("--table", default=None, help="also write the markdown table here")
     p.add_argument("--tiny", action="store_true", help="tiny model, a few steps: a CPU/gloo smoke test")

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..parallel import comm
 from ..parallel.random import RNGTracker
-from ..parallel.state import group_rank, resolve_tp_group
+from ..parallel.state import group_rank, group_size, resolve_tp_group
 from . import weight_casts
 from .attention import ParallelAttention
 from .linear import InitMethod
@@ -80,6 +80,8 @@ class ParallelTransformerBlock(nn.Module):
         """The parameters whose gradient each tp rank holds only a part of (under SP the norms' weights
         and biases and the row layers' biases; replicated k/v projections): the block sums all of
         them over tp in one all-reduce at the end of its backward (comm.tp_grad_bucket)."""
+        if group_size(self.process_group) == 1:  # nothing is partial; and eager forwards ask every step
+            return []
         return [p for m in self.modules() if m is not self and hasattr(m, "tp_partial_grad_parameters")
                 for p in m.tp_partial_grad_parameters()]
 

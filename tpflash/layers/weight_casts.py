@@ -43,26 +43,34 @@ def cast_once(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optiona
     already in `dtype`, non-contiguous tensors, another device than the first's, and groups an
     enclosing cast_once holds already are left out.
     dtype None: nothing is cast (a no-op context)."""
-    groups = [tuple(g) for g in groups if g and all(_castable(t, dtype) for t in g)] if dtype is not None else []
-    device = groups[0][0].device if groups else None
-    groups = [g for g in groups if all(t.device == device for t in g) and _lookup(g, dtype) is None]
-    if not groups:
+    if dtype is None:
         yield
         return
-    tensors = [t for g in groups for t in g]
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
-    pieces = flat.split([t.numel() for t in tensors])
-    views = [piece.view(t.shape) for piece, t in zip(pieces, tensors)]
+    kept, device = [], None
+    for g in groups:
+        if not g or not all(_castable(t, dtype) for t in g):
+            continue
+        device = g[0].device if device is None else device
+        if all(t.device == device for t in g) and _lookup(g, dtype) is None:
+            kept.append(tuple(g))
+    if not kept:
+        yield
+        return
+    tensors = [t for g in kept for t in g]
+    sizes = [t.numel() for t in tensors]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+    views = [piece.view(t.shape) for piece, t in zip(flat.split(sizes), tensors)]
     with torch.no_grad():
         torch._foreach_copy_(views, tensors)
     cache, start, offset = {}, 0, 0
-    for g in groups:
-        numel = sum(t.numel() for t in g)
-        if all(t.shape[1:] == g[0].shape[1:] for t in g):  # stackable along dim 0
+    for g in kept:
+        numel = sum(sizes[start:start + len(g)])
+        keys = [(t.data_ptr(), tuple(t.shape)) for t in g]
+        for key, view in zip(keys, views[start:start + len(g)]):
+            cache[(key,)] = view
+        if len(g) > 1 and all(t.shape[1:] == g[0].shape[1:] for t in g):  # stackable along dim 0
             shape = (sum(t.shape[0] for t in g),) + tuple(g[0].shape[1:])
-            cache[_key(g)] = flat[offset:offset + numel].view(shape)
-        for t, view in zip(g, views[start:start + len(g)]):
-            cache[_key((t,))] = view
+            cache[tuple(keys)] = flat[offset:offset + numel].view(shape)
         start, offset = start + len(g), offset + numel
     _open_casts.append((dtype, cache))
     try:
