@@ -15,26 +15,16 @@ GiB/s, a read at 284. `PeerAllGather` and `PeerReduceScatter` are the same two c
 their parts exposed, so that GEMMs can consume or produce them one rank's part at a time while
 the copy engines move the others on a side stream (tpflash.parallel.peer_overlap).
 
-Synchronisation: device-side barriers (tiny kernels on the stream) over one workspace per group and
-device that holds two buffers; successive calls alternate them, 0, 1, 0, ..., so that two calls
-may be open at once (an all-gather of x still being read while a reduce-scatter is sent). A call
-outside a `graph_epoch` pays two barriers: the first says every rank has written, the last that
-every rank has finished reading, so whatever comes next may write either buffer. Inside a
-`graph_epoch` (the body of a CUDA graph capture) a call pays only the first: a rank writes buffer
-b at call k only after passing call k-1's barrier, which every peer reaches only after its reads
-of call k-2, the last user of buffer b (each call's reads are queued before the next call's
-barrier). The turns are fixed in the graph at capture, and the epoch ends with one more barrier
-(the fence), after which either buffer is free as after an eager call: replays of such graphs and
-eager calls then interleave in any order. Calls on a group must be issued in the same order on
-every rank, which holds for the layers' collectives. Process group: the one given (CUDA tensors,
-world > 1).
+Synchronisation (device-side barriers over a two-buffer workspace per group, one barrier per
+call inside a `graph_epoch`): tpflash.parallel.peer_workspace. Calls on a group must be issued in
+the same order on every rank, which holds for the layers' collectives. Process group: the one
+given (CUDA tensors, world > 1).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib.util
-import math
 import os
 import socket
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -42,11 +32,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .peer_workspace import _side_wait, _side_wait_back, _slot_bytes, _take_turn, _workspace
+from .peer_workspace import graph_epoch
+
+__all__ = ["BACKENDS", "PeerAllGather", "PeerReduceScatter", "all_gather", "available", "can_map_peers",
+           "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "peer_access",
+           "reachable", "reduce_scatter", "use_copy_engine"]
+
 _ENV = "TPFLASH_COMM_BACKEND"
 BACKENDS = ("auto", "nccl", "copy_engine")
-_ALIGN = 512  # bytes; keeps every slot aligned for vectorised copies
 _for_graphs = [False]  # inside for_graph_capture()
-_epochs: List["_Turns"] = []  # the graph_epoch open now, if any (a stack: epochs do not nest in practice)
 _peer_access: Dict[int, bool] = {}  # id(group) -> the group's agreed verdict
 
 
@@ -133,104 +128,6 @@ def reachable(x: torch.Tensor, group) -> bool:
     if id(group) not in _peer_access and x.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     return peer_access(group)
-
-
-class _Workspace:
-    """One symmetric buffer of a group on one device, mapped by every rank of the group."""
-
-    def __init__(self, group, device: torch.device, nbytes: int):
-        from torch.distributed import _symmetric_memory as symm
-        from .symm_overlap import _group_name
-        self.nbytes = nbytes
-        self.tensor = symm.empty(nbytes, dtype=torch.uint8, device=device)
-        self.handle = symm.rendezvous(self.tensor, _group_name(group))  # collective: every rank at once
-
-    def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
-        """rank's buffer, from byte offset_bytes, as a [shape] tensor of dtype (a peer's: mapped memory)."""
-        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // dtype.itemsize)
-
-    def barrier(self) -> None:
-        """Every rank's stream reaches this point before any goes on (a kernel; capturable)."""
-        self.handle.barrier(channel=0)
-
-
-_workspaces: Dict[tuple, _Workspace] = {}
-_retired: List[_Workspace] = []  # outgrown buffers stay mapped: work already queued may still use them
-
-
-def _workspace(group, device: torch.device, nbytes: int) -> _Workspace:
-    key = (id(group), device)
-    ws = _workspaces.get(key)
-    if ws is None or ws.nbytes < nbytes:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"copy-engine collectives need a {nbytes}-byte buffer during CUDA graph capture, "
-                               f"but only {ws.nbytes if ws else 0} bytes were set up before it: run the "
-                               "captured work once eagerly first (GraphedBlocks' warm-up does)")
-        # every rank asks for the same sizes in the same order, so all grow here together
-        if ws is not None:
-            _retired.append(ws)
-        size = max(nbytes, 2 * (ws.nbytes if ws else 0))
-        ws = _workspaces[key] = _Workspace(group, device, -(-size // _ALIGN) * _ALIGN)
-    return ws
-
-
-def _slot_bytes(shape, dtype: torch.dtype) -> int:
-    """Bytes of one rank's slot for a [shape] tensor of dtype, rounded up to the alignment."""
-    return -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-
-
-def _side_wait(stream: torch.cuda.Stream) -> None:
-    """`stream` starts after the work queued so far on the current stream (nothing to do if it is that stream)."""
-    if stream != torch.cuda.current_stream():
-        stream.wait_stream(torch.cuda.current_stream())
-
-
-def _side_wait_back(stream: torch.cuda.Stream) -> None:
-    """The current stream continues after everything queued on `stream`."""
-    if stream != torch.cuda.current_stream():
-        torch.cuda.current_stream().wait_stream(stream)
-
-
-class _Turns:
-    """Which of its two buffers each call on a workspace uses: 0, 1, 0, ... in call order."""
-
-    def __init__(self):
-        self.calls: Dict[int, Tuple["_Workspace", int]] = {}  # id(workspace) -> (it, calls so far), first use first
-
-    def take(self, ws: "_Workspace") -> int:
-        """The buffer the next call on ws uses."""
-        _, count = self.calls.get(id(ws), (ws, 0))
-        self.calls[id(ws)] = (ws, count + 1)
-        return count % 2
-
-    def used(self) -> List["_Workspace"]:
-        """The workspaces called on, first use first."""
-        return [ws for ws, _ in self.calls.values()]
-
-
-_eager_turns = _Turns()  # calls outside any graph_epoch: two barriers each, so any buffer is free after
-
-
-@contextlib.contextmanager
-def graph_epoch():
-    """Marks the body of a CUDA graph capture: the calls inside pay one barrier each instead of two
-    (module docstring), and one more barrier per workspace used (the fence) ends the epoch. Every
-    rank of a group must run the same calls inside it."""
-    epoch = _Turns()
-    _epochs.append(epoch)
-    try:
-        yield
-    finally:
-        _epochs.pop()
-    for ws in epoch.used():  # first use first: the same order on every rank of its group
-        ws.barrier()
-
-
-def _take_turn(ws: "_Workspace") -> Tuple[int, bool]:
-    """(the buffer a call on ws uses, whether its closing barrier is left out: inside a graph_epoch)."""
-    if _epochs:
-        return _epochs[-1].take(ws), True
-    return _eager_turns.take(ws), False
 
 
 class PeerAllGather:
