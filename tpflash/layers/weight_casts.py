@@ -65,12 +65,12 @@ def cast_once(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optiona
     cache, start, offset = {}, 0, 0
     for g in kept:
         numel = sum(sizes[start:start + len(g)])
-        keys = [(t.data_ptr(), tuple(t.shape)) for t in g]
+        keys = _key(g)  # ((data_ptr, shape), ...) per tensor, as _lookup builds them
         for key, view in zip(keys, views[start:start + len(g)]):
             cache[(key,)] = view
         if len(g) > 1 and all(t.shape[1:] == g[0].shape[1:] for t in g):  # stackable along dim 0
             shape = (sum(t.shape[0] for t in g),) + tuple(g[0].shape[1:])
-            cache[tuple(keys)] = flat[offset:offset + numel].view(shape)
+            cache[keys] = flat[offset:offset + numel].view(shape)
         start, offset = start + len(g), offset + numel
     _open_casts.append((dtype, cache))
     try:
