@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.helpers import DEVICE, assert_rel
-from tpflash.layers import autocast_linear
+from tpflash.kernels import weight_grad
 from tpflash.layers.autocast_linear import linear
 
 
@@ -39,8 +39,9 @@ def _check_against_autocast_and_fp64(device):
     assert_rel(gx, gx0, torch.bfloat16, "x grad")
     xd, dyd = x.double().to(torch.bfloat16).double(), dy.to(torch.bfloat16).double()
     gw_true = dyd.reshape(-1, 24).t() @ xd.reshape(-1, 32)
-    # with the fp32-output GEMM (CUDA) the weight gradient skips autocast's rounding to bf16
-    assert_rel(gw, gw_true, torch.bfloat16, "weight grad", scale=0.1 if gw.is_cuda else 1.0)
+    # written in fp32 (the fp32-output GEMM on CUDA, an fp32 GEMM on CPU), the weight gradient skips
+    # autocast's rounding to bf16
+    assert_rel(gw, gw_true, torch.bfloat16, "weight grad", scale=0.1)
     assert_rel(gw0, gw_true, torch.bfloat16, "autocast weight grad")
     assert_rel(gb, dyd.reshape(-1, 24).sum(0), torch.float32, "bias grad", scale=10)
 
@@ -52,7 +53,7 @@ def test_linear_under_autocast_matches_f_linear_with_fp32_weight_grads():
 @pytest.mark.gpu
 def test_linear_under_autocast_uses_fp32_output_gemm_on_gpu():
     _check_against_autocast_and_fp64(DEVICE)
-    assert autocast_linear._MM_OUT_DTYPE[0] is True, "torch.mm(out_dtype=float32) was not used"
+    assert weight_grad._MM_OUT_DTYPE[0] is True, "torch.mm(out_dtype=float32) was not used"
 
 
 def test_linear_outside_autocast_is_f_linear():
@@ -191,32 +192,3 @@ def test_linears_reject_a_weight_of_another_input_size_naming_it():
         linears(x, ws, bs)
     with pytest.raises(ValueError, match="3 weights but 2 biases"):
         linears(x, ws, bs[:2])
-
-
-
-def _weight_grad_summed_over_row_blocks(device):
-    """_weight_grad_fp32(..., into=acc) adds block after block: the sum over row blocks equals the
-    weight gradient of all rows at once (to fp32 rounding with the fp32-output GEMM; on CPU each
-    block's product is a bf16 GEMM's, rounded once more)."""
-    torch.manual_seed(0)
-    g = torch.randn(64, 24, device=device).to(torch.bfloat16)
-    x = torch.randn(64, 32, device=device).to(torch.bfloat16)
-    whole = autocast_linear._weight_grad_fp32(g, x)
-    acc = None
-    for rows in (slice(0, 16), slice(16, 48), slice(48, 64)):
-        acc = autocast_linear._weight_grad_fp32(g[rows], x[rows], into=acc)
-    assert acc.dtype == torch.float32 and acc.shape == (24, 32)
-    tol = torch.float32 if g.is_cuda else torch.bfloat16
-    assert_rel(acc, whole, tol, "weight grad summed over row blocks", scale=10)
-    fp32 = autocast_linear._weight_grad_fp32(g[:16].float(), x[:16].float(), into=torch.zeros(24, 32, device=device))
-    assert_rel(fp32, g[:16].float().t() @ x[:16].float(), torch.float32, "fp32 inputs")
-
-
-def test_weight_grad_sums_over_row_blocks():
-    _weight_grad_summed_over_row_blocks("cpu")
-
-
-@pytest.mark.gpu
-def test_weight_grad_sums_over_row_blocks_with_the_fp32_output_gemm_on_gpu():
-    _weight_grad_summed_over_row_blocks(DEVICE)
-    assert autocast_linear._ADDMM_OUT_DTYPE[0] is True, "torch.addmm(out_dtype=float32, out=) was not used"

@@ -42,6 +42,32 @@ def test_fused_linear_cross_entropy_matches_torch(reduction):
     assert_close(w.grad, ref_dw, "d weight")
 
 
+def _fused_under_autocast(hidden, weight, target, chunk_size, g):
+    """(loss, d hidden, d weight) of the fused loss on fp32 leaves under CPU bf16 autocast, upstream g."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(h, w, target, chunk_size=chunk_size)
+    loss.backward(g)
+    return loss, h.grad, w.grad
+
+
+def test_fused_linear_cross_entropy_under_autocast_computes_in_bf16_with_fp32_weight_grads():
+    """Under autocast the GEMMs run in bf16 as F.linear's would (the loss is autocast's unfused one),
+    and d weight reaches the fp32 parameter in fp32, summed over the chunks without rounding: one
+    token per chunk gives what one chunk of all tokens gives, to fp32 accuracy."""
+    hidden, weight, target = _data("cpu", torch.float32)
+    ref, ref_dh, ref_dw, g = _reference(hidden.bfloat16(), weight.bfloat16(), target, "mean")
+    loss, dh, dw = _fused_under_autocast(hidden, weight, target, 1, g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(hidden, weight)  # bf16, as each chunk's
+    assert_close(loss, F.cross_entropy(logits.float().flatten(0, -2), target.flatten()), "loss", 1e-6)
+    assert (dh.dtype, dw.dtype) == (torch.float32, torch.float32)
+    assert_close(dw, ref_dw, "d weight", 2e-2)
+    assert_close(dh, ref_dh, "d hidden", 2e-2)
+    _, dh_one, dw_one = _fused_under_autocast(hidden, weight, target, target.numel(), g)
+    assert_close(dw, dw_one, "d weight, 1-token chunks vs one chunk", 1e-6)
+
+
 def test_fused_linear_cross_entropy_without_grad_gives_the_loss():
     hidden, weight, target = _data("cpu", torch.float32)
     with torch.no_grad():

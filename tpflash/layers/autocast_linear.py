@@ -20,32 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import column_sum, concat_with_column_sum
+from ..kernels.weight_grad import weight_grad_fp32
 from .weight_casts import stacked_cast
-
-_MM_OUT_DTYPE = [None]  # whether torch.mm(..., out_dtype=) works here; found on first use
-_ADDMM_OUT_DTYPE = [None]  # the same for torch.addmm(..., out_dtype=, out=)
-
-
-def _weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """grad_y^T x in fp32: [rows, out]^T [rows, in] -> [out, in]; added in place to `into` (fp32
-    [out, in]) when given, so that a weight gradient can be summed over row blocks GEMM by GEMM."""
-    if grad_y.dtype == torch.float32:
-        return torch.mm(grad_y.t(), x) if into is None else into.addmm_(grad_y.t(), x)
-    flag = _MM_OUT_DTYPE if into is None else _ADDMM_OUT_DTYPE
-    if flag[0] is not False and grad_y.is_cuda:
-        try:
-            if into is None:
-                out = torch.mm(grad_y.t(), x, out_dtype=torch.float32)
-            else:
-                out = torch.addmm(into, grad_y.t(), x, out_dtype=torch.float32, out=into)
-            flag[0] = True
-            return out
-        except torch.OutOfMemoryError:  # a real failure, not a missing overload
-            raise
-        except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm.dtype for these inputs
-            flag[0] = False
-    product = torch.mm(grad_y.t(), x).float()
-    return product if into is None else into.add_(product)
 
 
 class _StackedLinear(torch.autograd.Function):
@@ -83,7 +59,7 @@ class _StackedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = (grad_y @ w_c).to(ctx.x_dtype)  # [*, in]
         if any(ctx.needs_input_grad[3:3 + n]):
-            grads[:n] = _weight_grad_fp32(rows, x_c.reshape(-1, x_c.shape[-1])).split(ctx.sizes)
+            grads[:n] = weight_grad_fp32(rows, x_c.reshape(-1, x_c.shape[-1])).split(ctx.sizes)
         if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:]):
             grads[n:] = (column_sum(rows) if bias_sums is None else bias_sums).split(ctx.sizes)
         grads = [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.param_dtypes)]

@@ -6,6 +6,11 @@ the gradient is formed right away in the chunk's logits buffer and folded into d
 d weight (3 GEMMs per chunk, as the unfused forward + backward) so the backward only scales
 them. For "none" the per-token upstream gradient is unknown in the forward, so the backward
 recomputes each chunk's logits (one extra GEMM).
+
+The GEMMs run in autocast's dtype under autocast (else in hidden's dtype), on a copy of the weight
+cast inside, as F.linear's would; d weight is written in fp32 by the GEMMs and summed over the
+chunks in fp32 (tpflash.kernels.weight_grad_fp32), then returned in the weight's dtype: no bf16
+rounding per chunk, and no separate cast of a bf16 gradient to the fp32 parameter afterwards.
 """
 from __future__ import annotations
 
@@ -13,9 +18,18 @@ from typing import Optional
 
 import torch
 
+from ..kernels.weight_grad import weight_grad_fp32
 from ..parallel import comm
 from ..parallel.state import group_size, resolve_tp_group
 from .cross_entropy import ShardLoss, check_loss_args, check_vocab, reduce_loss
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The GEMMs' dtype: autocast's where it is on for hidden's device (as F.linear's), else hidden's."""
+    device = hidden.device.type
+    if hidden.is_floating_point() and device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
 
 
 def _chunks(n: int, size: int):
@@ -25,47 +39,52 @@ def _chunks(n: int, size: int):
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, group, ignore_index, reduction, chunk_size, vocab_size,
-                label_smoothing, z_loss, needs_grad):
-        h2, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)  # [N, H], [N]
-        loss_args = (group, ignore_index, label_smoothing, z_loss, vocab_size)
-        losses = torch.empty(t.shape[0], device=hidden.device, dtype=torch.float32)
-        precompute = needs_grad and reduction != "none"
-        if precompute:
-            count = (t != ignore_index).sum().clamp_min(1) if reduction == "mean" else None
-            grad_h, grad_w = torch.empty_like(h2), torch.zeros_like(weight)
-        for rows in _chunks(t.shape[0], chunk_size):
-            logits = h2[rows] @ weight.t()  # [chunk, V/tp]
-            shard = ShardLoss(logits, t[rows], *loss_args)
-            losses[rows] = shard.loss
+                label_smoothing, z_loss, needs_grad, dtype):
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h2, w = hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype)  # [N, H], [V/tp, H]
+            t = target.reshape(-1)  # [N]
+            loss_args = (group, ignore_index, label_smoothing, z_loss, vocab_size)
+            losses = torch.empty(t.shape[0], device=hidden.device, dtype=torch.float32)
+            precompute = needs_grad and reduction != "none"
             if precompute:
-                row_scale = torch.ones_like(shard.loss) if count is None else torch.ones_like(shard.loss) / count
-                g = shard.logits_grad(logits, row_scale, out=logits)  # the logits buffer becomes the gradient
-                torch.matmul(g, weight, out=grad_h[rows])
-                grad_w.addmm_(g.t(), h2[rows])
+                count = (t != ignore_index).sum().clamp_min(1) if reduction == "mean" else None
+                grad_h, grad_w = torch.empty_like(h2), None  # grad_w: fp32 [V/tp, H], summed over chunks
+            for rows in _chunks(t.shape[0], chunk_size):
+                logits = h2[rows] @ w.t()  # [chunk, V/tp]
+                shard = ShardLoss(logits, t[rows], *loss_args)
+                losses[rows] = shard.loss
+                if precompute:
+                    row_scale = torch.ones_like(shard.loss) if count is None else torch.ones_like(shard.loss) / count
+                    g = shard.logits_grad(logits, row_scale, out=logits)  # the logits buffer becomes the gradient
+                    torch.matmul(g, w, out=grad_h[rows])
+                    grad_w = weight_grad_fp32(g, h2[rows], into=grad_w)
         ctx.args = (loss_args, chunk_size, reduction, precompute, hidden.shape)
         if precompute:
             ctx.save_for_backward(grad_h, grad_w)
         elif needs_grad:
-            ctx.save_for_backward(h2, weight, t)
+            ctx.save_for_backward(h2, w, t)
         return reduce_loss(losses, target, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, grad_out):
         loss_args, chunk_size, reduction, precompute, shape = ctx.args
+        h_dtype, w_dtype = ctx.dtypes
         if precompute:
             grad_h, grad_w = ctx.saved_tensors
-            scale = grad_out.to(grad_h.dtype)
-            return (grad_h * scale).reshape(shape), grad_w * scale, *([None] * 9)
-        h2, weight, t = ctx.saved_tensors
-        grad_out = grad_out.reshape(-1).float()
-        grad_h, grad_w = torch.empty_like(h2), torch.zeros_like(weight)
-        for rows in _chunks(t.shape[0], chunk_size):
-            logits = h2[rows] @ weight.t()
-            shard = ShardLoss(logits, t[rows], *loss_args)
-            g = shard.logits_grad(logits, grad_out[rows], out=logits)
-            torch.matmul(g, weight, out=grad_h[rows])
-            grad_w.addmm_(g.t(), h2[rows])
-        return grad_h.reshape(shape), grad_w, *([None] * 9)
+            grad_h, grad_w = grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.float()
+        else:
+            h2, w, t = ctx.saved_tensors
+            grad_out = grad_out.reshape(-1).float()
+            grad_h, grad_w = torch.empty_like(h2), None
+            with torch.autocast(h2.device.type, enabled=False):
+                for rows in _chunks(t.shape[0], chunk_size):
+                    logits = h2[rows] @ w.t()
+                    shard = ShardLoss(logits, t[rows], *loss_args)
+                    g = shard.logits_grad(logits, grad_out[rows], out=logits)
+                    torch.matmul(g, w, out=grad_h[rows])
+                    grad_w = weight_grad_fp32(g, h2[rows], into=grad_w)
+        return grad_h.reshape(shape).to(h_dtype), grad_w.to(w_dtype), *([None] * 10)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
@@ -83,6 +102,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor,
     [chunk_size, V'/tp] logits buffer plus d weight, instead of [tokens, V'/tp] logits and their
     fp32 copies. label_smoothing / z_loss / reduction as in vocab_parallel_cross_entropy.
     d hidden is summed over tp (replicated input) or reduce-scattered (sequence_parallel).
+    Under autocast the GEMMs run in its dtype on cast copies of hidden and weight (an fp32 weight
+    gets an fp32 gradient summed in fp32); without autocast hidden's dtype is used.
     Process group: `process_group`, else the default tp group, else none (tp=1).
     """
     check_loss_args(reduction, label_smoothing, z_loss)
@@ -94,6 +115,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor,
     tp = group_size(group)
     if weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight_shard shape {tuple(weight_shard.shape)} must be [V/tp, hidden={hidden.shape[-1]}]")
+    # cast before any gather: the collective then moves the compute dtype's bytes
+    hidden = hidden.to(_compute_dtype(hidden))
     if sequence_parallel:
         hidden = comm.all_gather_along_seq(hidden, group, seq_dim)
     else:
@@ -104,4 +127,5 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor,
     check_vocab(vocab_size, weight_shard.shape[0], tp, target, ignore_index)
     return _FusedLinearCrossEntropy.apply(hidden, weight_shard, target, group, ignore_index, reduction, chunk_size,
                                           vocab_size, label_smoothing, z_loss,
-                                          torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad))
+                                          torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad),
+                                          hidden.dtype)

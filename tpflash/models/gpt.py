@@ -7,7 +7,6 @@ Layout through the model: ids [batch, seq] -> embeddings [seq, batch, hidden] (s
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Dict, Optional
 
@@ -23,16 +22,6 @@ from ..parallel.sharding import iter_sharded
 from ..parallel.state import NO_GROUP, get_default_state, group_rank, group_size, resolve_tp_group
 from .config import GPTConfig
 from .generate import generate
-
-
-def _as_autocast_would(h: torch.Tensor, weight: torch.Tensor):
-    """(h, weight, context) for a GEMM inside an autograd.Function, which autocast does not reach
-    consistently: both cast to the dtype autocast would give F.linear, and autocast off inside."""
-    device = h.device.type
-    if not torch.is_autocast_enabled(device):
-        return h, weight.to(h.dtype), contextlib.nullcontext()
-    dtype = torch.get_autocast_dtype(device)
-    return h.to(dtype), weight.to(dtype), torch.autocast(device, enabled=False)
 
 
 def _normal(std: float):
@@ -177,11 +166,9 @@ class GPT(nn.Module):
         # The losses read process_group=None as "the default tp group"; a tp=1 model means none.
         group = NO_GROUP if self.process_group is None else self.process_group
         if self.config.fused_loss:  # gathers h itself and never holds all the logits
-            h, weight, autocast_off = _as_autocast_would(h, self.head_weight)
-            with autocast_off:
-                return losses.fused_linear_cross_entropy(h, weight, target, group,
-                                                         vocab_size=self.config.vocab_size,
-                                                         sequence_parallel=self.sequence_parallel)
+            return losses.fused_linear_cross_entropy(h, self.head_weight, target, group,
+                                                     vocab_size=self.config.vocab_size,
+                                                     sequence_parallel=self.sequence_parallel)
         return losses.vocab_parallel_cross_entropy(self._logits(h), target, group,
                                                    vocab_size=self.config.vocab_size)
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import column_sum, concat_with_column_sum
-from ..layers.autocast_linear import _weight_grad_fp32
+from ..kernels.weight_grad import weight_grad_fp32
 from ..layers.weight_casts import stacked_cast
 from . import comm, peer_collectives
 from .overlap import _copy_engines_reach, _no_autocast, _rows, linear_compute_dtype
@@ -120,7 +120,7 @@ def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torc
     for r in gather.order():
         rows, g = slice(r * m, (r + 1) * m), gather.piece(r)
         torch.mm(g, w, out=grad_h[rows])
-        grad_w = _weight_grad_fp32(g, h[rows], into=grad_w)
+        grad_w = weight_grad_fp32(g, h[rows], into=grad_w)
     return grad_w
 
 
@@ -130,7 +130,7 @@ def _weight_grad_over_gathered(grad_y: torch.Tensor, gather) -> torch.Tensor:
     m = grad_y.shape[0] // len(gather.order())
     grad_w = None
     for r in gather.order():
-        grad_w = _weight_grad_fp32(grad_y[r * m:(r + 1) * m], gather.piece(r), into=grad_w)
+        grad_w = weight_grad_fp32(grad_y[r * m:(r + 1) * m], gather.piece(r), into=grad_w)
     return grad_w
 
 
@@ -215,7 +215,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False)  # beside the GEMMs
             pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
             if gather is None:  # ... the weight gradient is computed
-                grad_w = _weight_grad_fp32(grad_y, x_saved)
+                grad_w = weight_grad_fp32(grad_y, x_saved)
             else:
                 grad_w = _weight_grad_over_gathered(grad_y, gather)
             grad_w = grad_w.split(ctx.sizes)
