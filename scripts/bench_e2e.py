@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tpflash  # noqa: E402
 from tpflash.models import GPT, GPTConfig  # noqa: E402
-from tpflash.parallel import overlap, peer_collectives  # noqa: E402
+from tpflash.parallel import overlap, peer_collectives, pieces_overlap  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_peers import PlainGPT, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
@@ -198,7 +198,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
         if impl in OVERLAPPED and ps.tp_size > 1:  # which overlap ran (TPFLASH_OVERLAP_BACKEND / _PIECES)
             backend = overlap.overlap_backend()
             how = (f"overlap {backend}" if backend != "pieces"
-                   else f"overlap k={overlap.num_pieces(args.seq // ps.tp_size)}")
+                   else f"overlap k={pieces_overlap.num_pieces(args.seq // ps.tp_size)}")
             if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
                 how += f", CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']}"
             row["note"] = "; ".join(filter(None, [row.get("note"), how]))

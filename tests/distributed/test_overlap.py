@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tests.distributed.checks import assert_close, init_tp, work_dtype
 from tpflash.layers import ColumnParallelLinear, RowParallelLinear
 from tpflash.layers.linear import _pipelined
-from tpflash.parallel import overlap
+from tpflash.parallel import overlap, pieces_overlap
 
 SEQ, BATCH, IN, OUT = 8, 3, 16, 24
 
@@ -203,10 +203,10 @@ def test_switch_is_off_by_default(monkeypatch):
 
 def test_pieces_divide_the_local_sequence(monkeypatch):
     monkeypatch.delenv("TPFLASH_OVERLAP_PIECES", raising=False)
-    assert [overlap.num_pieces(n) for n in (1, 2, 3, 6, 8, 1024)] == [1, 2, 3, 3, 4, 4]
-    assert overlap.num_pieces(8, 2) == 2
+    assert [pieces_overlap.num_pieces(n) for n in (1, 2, 3, 6, 8, 1024)] == [1, 2, 3, 3, 4, 4]
+    assert pieces_overlap.num_pieces(8, 2) == 2
     monkeypatch.setenv("TPFLASH_OVERLAP_PIECES", "8")
-    assert overlap.num_pieces(1024) == 8
+    assert pieces_overlap.num_pieces(1024) == 8
 
 
 def test_switch_follows_context_then_environment(monkeypatch):
