@@ -89,6 +89,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--cprofile", default="", metavar="SUBSTRING",
                    help="also run cProfile over forward + backward of the cases whose name contains this")
+    p.add_argument("--cprofile-pass", choices=("forward", "both"), default="both",
+                   help="with --cprofile: profile the forward alone, or forward + backward (default)")
+    p.add_argument("--cprofile-top", type=int, default=25, metavar="N", help="with --cprofile: rows printed")
     p.add_argument("--device", default="cuda", help="cpu (under TRITON_INTERPRET=1) only checks that it runs")
     args = p.parse_args()
     global DEV
@@ -108,14 +111,18 @@ def main() -> None:
                 out.float().sum().backward()
             fb = f"{per_call_us(step, args.calls // 3):.0f}"
             if args.cprofile and args.cprofile in name:
-                profiles.append((name, step))
+                profiles.append((name, step if args.cprofile_pass == "both" else fwd))
         print(f"| {name} | {f_us:.0f} | {fb} |")
     for name, step in profiles:
-        print(f"\n== cProfile, forward + backward of {name}, {args.calls} calls")
+        what = "forward + backward" if args.cprofile_pass == "both" else "forward"
+        print(f"\n== cProfile, {what} of {name}, {args.calls} calls")
         prof = cProfile.Profile()
-        with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread, where cProfile looks
-            prof.runcall(lambda: [step() for _ in range(args.calls)])
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        with torch.autograd.set_multithreading_enabled(False), torch.autocast(DEV, dtype=torch.bfloat16):
+            prof.runcall(lambda: [step() for _ in range(args.calls)])  # backward on this thread, where cProfile looks
+        stats = pstats.Stats(prof)
+        print(f"{stats.total_calls / args.calls:.0f} Python calls per call")
+        for key in ("tottime", "cumulative"):
+            stats.sort_stats(key).print_stats(args.cprofile_top)
 
 
 if __name__ == "__main__":
