@@ -78,21 +78,47 @@ def _die(why: str) -> None:
 
 class StopSignal:
     """Records SIGTERM (as sent by torchrun, schedulers and preemption); `agreed()` tells every rank
-    whether any rank got one, so all of them save at the same step and exit."""
+    whether any rank got one, so all of them save at the same step and exit.
+
+    The answer never makes the host wait for the GPU to finish the step it has just issued: with
+    one process it is the flag itself, and over several it is the all-reduce issued at the previous
+    call, read through pinned memory once that call's step has run. So a SIGTERM stops training one
+    step later than it would with a blocking all-reduce, and the host may issue a step while the GPU
+    still runs the one before; an eager forward whose Python is as slow as its kernels would
+    otherwise leave the GPU idle at every step (docs/performance.md, twelfth session).
+    """
 
     def __init__(self, device: torch.device):
         self.device, self.received = device, False
         self._old = signal.signal(signal.SIGTERM, self._handle)
+        self._flag: Optional[torch.Tensor] = None  # [1] on device: this call's vote, all-reduced
+        self._host: Optional[torch.Tensor] = None  # [1] (pinned on CUDA): the all-reduced vote, copied back
+        self._pending = False, None  # (a vote is in flight, its copy's CUDA event or None)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
 
     def agreed(self) -> bool:
-        """Collective over the default group: True when any rank has received SIGTERM."""
-        flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """Collective over the default group: True on every rank at the same call once any rank has
+        received SIGTERM (over several processes, from the previous call's vote)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.received
+        cuda = self.device.type == "cuda"
+        if self._flag is None:
+            self._flag = torch.zeros(1, device=self.device)
+            self._host = torch.zeros(1, pin_memory=cuda)
+        in_flight, done = self._pending
+        if done is not None:
+            done.synchronize()  # waits for the previous call's step, not this one
+        answer = in_flight and bool(self._host.item())  # a host tensor: no device sync
+        self._flag.fill_(1.0 if self.received else 0.0)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        self._host.copy_(self._flag, non_blocking=cuda)
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
+        self._pending = True, done
+        return answer
 
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._old)

@@ -110,7 +110,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- steps
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        # through pinned memory: a copy from pageable memory may wait for the GPU's queue to drain,
+        # and the host is meant to issue this step while the GPU still runs the last (StopSignal)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def train_step(self) -> Dict[str, torch.Tensor]:
         """One optimizer step over the next global batch: {"loss": this rank's mean loss (tensor),
