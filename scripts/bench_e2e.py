@@ -136,7 +136,10 @@ def time_steps(loss_fn, step_context, opt, args, ps):
     # host_ms close to step_ms: the step is bound by Python/launch overhead (or syncs), not by the GPU
     extra = {"host_ms": 1e3 * statistics.median(host), **telemetry.summary()}
     if ps.device.type == "cuda":
-        extra["ahead_ms"] = 1e3 * one_step_ahead_s(one_step, args.steps, ps.device)
+        ahead = GpuTelemetry(ps.device.index)
+        with ahead if not args.no_telemetry else contextlib.nullcontext():
+            extra["ahead_ms"] = 1e3 * one_step_ahead_s(one_step, args.steps, ps.device)
+        extra.update({f"ahead_{key}": value for key, value in ahead.summary().items()})
     if args.profile and ps.device.type == "cuda":  # after timing: the profiler's overhead stays out of it
         try:
             extra.update(profile_exposed_comm(one_step, trace=_trace_path(args, ps), top=args.profile_top,
@@ -346,7 +349,8 @@ def table(rows: list) -> str:
             if "host_ms" in r:
                 notes.append(f"host {r['host_ms']:.0f} ms")
             if "ahead_ms" in r:
-                notes.append(f"{r['ahead_ms']:.1f} ms/step one step ahead")
+                clock = f" at {r['ahead_sm_mhz']:.0f} MHz" if "ahead_sm_mhz" in r else ""
+                notes.append(f"{r['ahead_ms']:.1f} ms/step one step ahead{clock}")
             if "sm_mhz" in r:
                 notes.append(f"SM {r['sm_mhz']:.0f} MHz, {r['power_w']:.0f} W")
             if "exposed_comm_ms" in r:
