@@ -17,7 +17,9 @@ Compiled variants compile each block (and, for plain, the head + loss), as torch
 Each row is appended as JSON to --results; the table printed at the end covers every row there, so a
 tp=2 run after a tp=1 run shows both and the TP scaling efficiency (tokens/s/GPU at tp=N over the
 same implementation at tp=1; dtensor is compared with plain). MFU uses 6N + 12*L*d*seq FLOPs/token
-against --peak-tflops (989, H100/H200 dense bf16).
+against --peak-tflops (989, H100/H200 dense bf16). Step times are medians of steps timed between two
+syncs (an isolated step); on CUDA the note also gives the mean ms per step with the host allowed one
+step ahead, as tpflash's trainer runs (a host-bound step is faster there).
 """
 from __future__ import annotations
 
