@@ -57,6 +57,11 @@ def test_dp2_with_fsdp_follows_the_accumulated_curve(ranks, corpus, single):
     _assert_same_curve(results[0], single)
 
 
+def test_fused_adamw_clipping_inside_its_step_follows_the_same_curve(ranks, corpus, single):
+    results = ranks(1).run(losses_body, tiny_config(corpus, tp=1, train={"micro_batch_size": 2, "fused_adam": "on"}))
+    _assert_same_curve(results[0], single)
+
+
 def test_clipping_is_active_in_these_runs(single):
     assert max(norm for _, norm in single) > 1.0, "grad norms never exceed clip=1: the tests would not cover clipping"
 

@@ -93,3 +93,30 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor, 
         by_device.setdefault((g.device, g.dtype), []).append(g)
     for (device, dtype), group in by_device.items():
         torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
+
+
+def _step_divides_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether optimizer.step() divides each gradient by `optimizer.grad_scale` as it reads it: torch's
+    fused Adam/AdamW (the protocol torch.amp.GradScaler uses), over plain tensors on one kind of device."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return (isinstance(optimizer, torch.optim.Adam) and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and all(g.get("fused") for g in optimizer.param_groups)
+            and all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in params))
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor,
+                 max_norm: float) -> None:
+    """optimizer.step() on the gradients scaled by min(1, max_norm / total_norm) (max_norm <= 0: not
+    clipped); the gradients are left scaled. A fused torch Adam/AdamW does the scaling inside its own
+    kernel: it is handed max(1, total_norm / max_norm) as `grad_scale`, divides each gradient by it as
+    it reads it and writes it back scaled. That saves clip_grads_'s own read of every gradient (5.2 GB
+    on a gpt-1.3b step). Other optimizers, and FSDP's DTensor parameters, get clip_grads_, then step()."""
+    if max_norm > 0 and _step_divides_grads(optimizer):
+        optimizer.grad_scale = ((total_norm.float() + 1e-6) / max_norm).clamp(min=1.0)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+        return
+    clip_grads_(params, total_norm, max_norm)
+    optimizer.step()

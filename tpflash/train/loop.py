@@ -18,7 +18,7 @@ from . import build
 from .config import TrainConfig, to_yaml
 from .data import load_tokens, make_tokenizer, token_format, split_train_eval, unigram_entropy
 from .faults import Fault, StopSignal
-from .gradients import all_reduce_grads_over_dp, clip_grads_, global_grad_norm, tp_sharded_param_ids
+from .gradients import all_reduce_grads_over_dp, clipped_step, global_grad_norm, tp_sharded_param_ids
 from .metrics import MetricsWriter, Throughput, check_logging, memory_gb, peak_flops
 from .sampler import GlobalSampler
 from .schedule import WarmupCosine
@@ -133,9 +133,8 @@ class Trainer:
         if not self.fsdp:
             all_reduce_grads_over_dp(self.model, ps.dp_group)
         norm = global_grad_norm(self.model, ps.tp_group, ps.dp_group, self.fsdp, self.sharded_ids)
-        clip_grads_(self.model.parameters(), norm, self.cfg.train.clip)
         lr = self.schedule.lr
-        self.optimizer.step()
+        clipped_step(self.optimizer, self.model.parameters(), norm, self.cfg.train.clip)
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         self.step += 1
