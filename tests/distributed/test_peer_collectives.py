@@ -1,0 +1,190 @@
+"""The copy-engine collectives (tpflash.parallel.peer_collectives, TPFLASH_COMM_BACKEND=copy_engine):
+NCCL's results over peer memory on GPUs, the group's collectives on CPU, the backend choice, and
+the buffers and barriers of graph epochs."""
+import contextlib
+
+import pytest
+import torch
+
+from tests.distributed.checks import assert_close, init_tp
+from tests.distributed.test_comm import gather_along_seq_body, reduce_scatter_along_seq_body
+from tpflash.parallel import comm
+
+
+def copy_engine_body(tp):
+    """TPFLASH_COMM_BACKEND=copy_engine (peer memory) gives NCCL's results: all-gather bit for bit,
+    reduce-scatter too at tp=2 (one bf16 add either way), along dim 0 and 1, at sizes that are no
+    multiple of the buffer alignment, and in a long alternating sequence (the double buffer)."""
+    import os
+    from tpflash.parallel import peer_collectives
+    ps = init_tp(tp)
+    assert ps.device.type == "cuda", "needs one GPU per rank"
+    torch.manual_seed(ps.tp_rank)
+    cases = [(tp * 1024, 4, 2048), (tp * 3, 5, 7), (tp * 17, 3)]
+    for step in range(6):
+        for shape in cases:
+            full = torch.randn(*shape, device=ps.device, dtype=torch.bfloat16)
+            shard = full[: shape[0] // tp] + step
+            os.environ["TPFLASH_COMM_BACKEND"] = "copy_engine"
+            try:
+                assert peer_collectives.available(shard, ps.tp_group)
+                got = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
+                       comm.all_gather(full, 1, ps.tp_group)]
+            finally:
+                del os.environ["TPFLASH_COMM_BACKEND"]
+            want = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
+                    comm.all_gather(full, 1, ps.tp_group)]
+            assert torch.equal(got[0], want[0]), f"all-gather {shape}"
+            assert torch.equal(got[2], want[2]), f"all-gather dim 1 {shape}"
+            if tp == 2:
+                assert torch.equal(got[1], want[1]), f"reduce-scatter {shape}"
+            else:
+                assert_close(got[1], want[1], f"reduce-scatter {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+def test_copy_engine_collectives_equal_nccl(ranks, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ranks(tp).run(copy_engine_body, tp)
+
+
+def test_unknown_comm_backend_raises(monkeypatch):
+    from tpflash.parallel import peer_collectives
+    monkeypatch.setenv("TPFLASH_COMM_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="TPFLASH_COMM_BACKEND='mpi' must be one of"):
+        peer_collectives.comm_backend()
+
+
+@pytest.mark.parametrize("backend,for_graphs,peers,expected", [
+    ("auto", False, True, False),         # eager work: NCCL
+    ("auto", True, True, True),           # work CUDA graphs capture, GPUs that map each other: copy engines
+    ("auto", True, False, False),         # ... GPUs that cannot: NCCL
+    ("nccl", True, True, False),
+    ("copy_engine", False, True, True),
+])
+def test_the_comm_backend_picks_copy_engines_by_setting_capture_and_peer_access(monkeypatch, backend, for_graphs,
+                                                                               peers, expected):
+    from tpflash.parallel import peer_collectives
+    monkeypatch.setenv("TPFLASH_COMM_BACKEND", backend)
+    monkeypatch.setattr(peer_collectives, "available", lambda x, group: True)
+    monkeypatch.setattr(peer_collectives, "peer_access", lambda group: peers)
+    with peer_collectives.for_graph_capture() if for_graphs else contextlib.nullcontext():
+        assert peer_collectives.use_copy_engine(torch.ones(2), object()) is expected
+
+
+def test_peer_access_needs_one_host_distinct_devices_and_cuda_peer_access():
+    from tpflash.parallel.peer_collectives import can_map_peers
+    everyone = lambda a, b: True  # noqa: E731
+    assert can_map_peers([("h", 0), ("h", 1)], 0, everyone)
+    assert not can_map_peers([("h", 0), ("h", 0)], 0, everyone), "one device index per process cannot be checked"
+    assert not can_map_peers([("h", 0), ("g", 1)], 0, everyone), "two hosts"
+    assert not can_map_peers([("h", 0), ("h", 1)], 0, lambda a, b: False), "no peer access"
+
+
+def copy_engine_on_cpu_body(tp):
+    """On CPU (gloo) the copy_engine setting is not available and the group's collectives serve."""
+    import os
+    os.environ["TPFLASH_COMM_BACKEND"] = "copy_engine"
+    try:
+        gather_along_seq_body(tp, 0)
+        reduce_scatter_along_seq_body(tp, 0)
+    finally:
+        del os.environ["TPFLASH_COMM_BACKEND"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_copy_engine_backend_falls_back_to_the_group_on_cpu(ranks, tp):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU fallback; on GPUs test_copy_engine_collectives_equal_nccl covers the backend")
+    ranks(tp).run(copy_engine_on_cpu_body, tp)
+
+
+class _FakeWorkspace:
+    def __init__(self):
+        self.barriers = 0
+
+    def barrier(self):
+        self.barriers += 1
+
+
+def test_calls_inside_a_graph_epoch_alternate_buffers_per_workspace():
+    from tpflash.parallel import peer_collectives
+    a, b = _FakeWorkspace(), _FakeWorkspace()
+    with peer_collectives.graph_epoch():
+        assert [peer_collectives._take_turn(ws) for ws in (a, a, b, a)] == [(0, True), (1, True), (0, True), (0, True)]
+    with peer_collectives.graph_epoch():
+        assert peer_collectives._take_turn(a) == (0, True), "every epoch starts at buffer 0"
+    outside = [peer_collectives._take_turn(a) for _ in range(2)]
+    assert {buffer for buffer, _ in outside} == {0, 1} and not any(in_epoch for _, in_epoch in outside), \
+        "outside an epoch calls alternate too (two may be open at once) and keep both barriers"
+
+
+def test_a_graph_epoch_ends_with_one_barrier_on_every_workspace_it_used():
+    from tpflash.parallel import peer_collectives
+    twice, once, unused = _FakeWorkspace(), _FakeWorkspace(), _FakeWorkspace()
+    with peer_collectives.graph_epoch():
+        for ws in (twice, once, twice):
+            peer_collectives._take_turn(ws)
+    assert (twice.barriers, once.barriers, unused.barriers) == (1, 1, 0)
+
+
+def test_a_graph_epoch_left_by_an_error_issues_no_barrier():
+    from tpflash.parallel import peer_collectives
+    ws = _FakeWorkspace()
+    with pytest.raises(RuntimeError), peer_collectives.graph_epoch():
+        peer_collectives._take_turn(ws)
+        raise RuntimeError("capture failed")
+    assert ws.barriers == 0 and peer_collectives._take_turn(ws)[1] is False
+
+
+def graph_epoch_body(tp):
+    """Copy-engine collectives captured in CUDA graphs (one barrier per call, alternating buffers)
+    give NCCL's results when replays of two graphs, of an odd and an even number of calls,
+    interleave with each other and with eager copy-engine calls, over rounds of changing inputs."""
+    from tpflash.parallel import peer_collectives
+    ps = init_tp(tp)
+    torch.manual_seed(ps.tp_rank)
+    shard = torch.randn(tp * 256, 8, 64, device=ps.device, dtype=torch.bfloat16)
+    full = torch.randn(tp * 512, 8, 64, device=ps.device, dtype=torch.bfloat16)
+
+    def odd():  # three calls
+        g = peer_collectives.all_gather(shard, ps.tp_group)
+        return g, peer_collectives.reduce_scatter(full, ps.tp_group), peer_collectives.all_gather(g[:tp * 256], ps.tp_group)
+
+    def even():  # two calls
+        return peer_collectives.reduce_scatter(full * 2, ps.tp_group), peer_collectives.all_gather(full, ps.tp_group)
+
+    for fn in (odd, even):  # warm-up: sizes the workspace before capture
+        fn()
+    torch.cuda.synchronize()
+    graphs, outs = {}, {}
+    for name, fn in (("odd", odd), ("even", even)):
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]), peer_collectives.graph_epoch():
+            outs[name] = fn()
+    nccl = {"odd": lambda: (comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
+                            comm.all_gather(comm.all_gather(shard, 0, ps.tp_group)[:tp * 256], 0, ps.tp_group)),
+            "even": lambda: (comm.reduce_scatter(full * 2, 0, ps.tp_group), comm.all_gather(full, 0, ps.tp_group))}
+    for step, order in enumerate(["odd", "even", "odd", "odd", "even", "even", "eager", "odd", "eager", "even"]):
+        shard.add_(1)
+        full.mul_(-1)
+        if order == "eager":
+            got, want = odd(), nccl["odd"]()
+        else:
+            graphs[order].replay()
+            got, want = outs[order], nccl[order]()
+        for g, w in zip(got, want):
+            if tp == 2:  # one bf16 add in either reduce-scatter: bit for bit
+                assert torch.equal(g, w), f"step {step} ({order})"
+            else:
+                assert_close(g, w, f"step {step} ({order})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+def test_copy_engine_collectives_in_graph_epochs_equal_nccl(ranks, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ranks(tp).run(graph_epoch_body, tp)
