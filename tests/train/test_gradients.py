@@ -6,9 +6,12 @@ import torch
 from tpflash.train.gradients import clip_grads_, clipped_step
 
 
-def _params_with_grads(scale: float):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _params_with_grads(scale: float, device: str = "cpu"):
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]
+    params = [torch.nn.Parameter(torch.randn(16, 8, device=device)), torch.nn.Parameter(torch.randn(8, device=device))]
     for p in params:
         p.grad = scale * torch.randn_like(p)
     return params
@@ -18,8 +21,8 @@ def _norm(params):
     return torch.stack([p.grad.norm() for p in params]).norm()
 
 
-def _after_two_steps(fused: bool, fold: bool, grad_scale: float, max_norm: float):
-    params = _params_with_grads(grad_scale)
+def _after_two_steps(fused: bool, fold: bool, grad_scale: float, max_norm: float, device: str = "cpu"):
+    params = _params_with_grads(grad_scale, device)
     grads = [p.grad.clone() for p in params]
     opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, fused=fused or None, foreach=None if fused else True)
     for _ in range(2):
@@ -34,10 +37,11 @@ def _after_two_steps(fused: bool, fold: bool, grad_scale: float, max_norm: float
     return [p.detach() for p in params], [p.grad for p in params]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_scale", [10.0, 1e-3], ids=["norm_above_max", "norm_below_max"])
-def test_fused_adamw_clipping_in_its_kernel_matches_clip_grads_then_step(grad_scale):
-    want_params, want_grads = _after_two_steps(fused=True, fold=False, grad_scale=grad_scale, max_norm=1.0)
-    got_params, got_grads = _after_two_steps(fused=True, fold=True, grad_scale=grad_scale, max_norm=1.0)
+def test_fused_adamw_clipping_in_its_kernel_matches_clip_grads_then_step(grad_scale, device):
+    want_params, want_grads = _after_two_steps(True, False, grad_scale, max_norm=1.0, device=device)
+    got_params, got_grads = _after_two_steps(True, True, grad_scale, max_norm=1.0, device=device)
     for got, want in zip(got_params + got_grads, want_params + want_grads):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
