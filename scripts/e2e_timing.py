@@ -78,9 +78,10 @@ def time_steps(loss_fn, step_context, opt, args, ps):
 
 def one_step_ahead_s(one_step, steps: int, device) -> float:
     """Mean seconds per step over `steps` steps where the host may issue a step while the GPU still runs
-    the one before (it waits only for the step before that), as tpflash's trainer runs them: a
-    host-bound eager forward then overlaps the previous step's backward and optimizer. The synced
-    step time above is what one isolated step costs."""
+    the one before (it waits only for the step before that), as tpflash's trainer runs them over
+    several processes (one process may run further ahead): a host-bound eager forward then overlaps
+    the previous step's backward and optimizer. time_steps's synced median is what one isolated
+    step costs."""
     sync(device)
     t0, previous = time.perf_counter(), None
     for _ in range(steps):
