@@ -92,8 +92,8 @@ class StopSignal:
         self.device, self.received = device, False
         self._old = signal.signal(signal.SIGTERM, self._handle)
         self._flag: Optional[torch.Tensor] = None  # [1] on device: this call's vote, all-reduced
-        self._host: Optional[torch.Tensor] = None  # [1] (pinned on CUDA): the all-reduced vote, copied back
-        self._pending = False, None  # (a vote is in flight, its copy's CUDA event or None)
+        self._host: Optional[torch.Tensor] = None  # [1] (pinned on CUDA): the last all-reduced vote, copied back
+        self._copied: Optional[torch.cuda.Event] = None  # CUDA: recorded after that copy
 
     def _handle(self, signum, frame) -> None:
         self.received = True
@@ -107,17 +107,15 @@ class StopSignal:
         if self._flag is None:
             self._flag = torch.zeros(1, device=self.device)
             self._host = torch.zeros(1, pin_memory=cuda)
-        in_flight, done = self._pending
-        if done is not None:
-            done.synchronize()  # waits for the previous call's step, not this one
-        answer = in_flight and bool(self._host.item())  # a host tensor: no device sync
+        if self._copied is not None:
+            self._copied.synchronize()  # waits for the previous call's step, not this one
+        answer = bool(self._host.item())  # a host tensor (zero before the first vote): no device sync
         self._flag.fill_(1.0 if self.received else 0.0)
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
         self._host.copy_(self._flag, non_blocking=cuda)
-        done = torch.cuda.Event() if cuda else None
-        if done is not None:
-            done.record()
-        self._pending = True, done
+        if cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return answer
 
     def restore(self) -> None:
