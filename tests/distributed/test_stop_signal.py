@@ -10,7 +10,9 @@ from tpflash.train.faults import StopSignal
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    """This rank's GPU where there is one (gloo moves CUDA tensors too, so the pinned-copy and event
+    path runs on a one-GPU machine as well), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def vote_body(signalled_rank: int, signal_before_call: int, calls: int):
