@@ -3,6 +3,8 @@
 CPU: the fallback path equals the composition, forward and backward, and bad shapes raise.
 GPU: the extension and the composition, each against a float64 reference, forward and backward.
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,12 +186,20 @@ PATHS = ["extension", "reference"]
 
 
 def _need_extension(path):
-    if path == "extension" and load_extension() is None:
+    """The extension is optional and off by default (docs/csrc.md): where it was not built, its tests
+    skip, naming how to build it; where a build was asked for (TPFLASH_JIT_CUDA=1, as
+    scripts/gpu_fused_dense.sh does) and did not load, they fail with the compiler's output."""
+    if path != "extension" or load_extension() is not None:
+        return
+    if os.environ.get("TPFLASH_JIT_CUDA") == "1":
         pytest.fail(f"the fused-dense extension is not loaded: {extension_status()}")
+    pytest.skip(f"the optional fused-dense extension is not built ({extension_status()}); "
+                "scripts/gpu_fused_dense.sh builds it")
 
 
 @pytest.mark.gpu
-def test_extension_loads_on_gpu():
+def test_extension_loads_on_gpu_when_built_or_asked_for():
+    _need_extension("extension")
     assert load_extension() is not None, extension_status()
 
 
