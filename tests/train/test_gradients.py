@@ -75,3 +75,14 @@ def test_max_norm_zero_steps_on_the_unclipped_gradients():
     clipped_step(opt, params, _norm(params), 0.0)
     for p, g in zip(params, before):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_a_norm_that_is_not_a_tensor_is_refused_before_the_step():
+    params = _params_with_grads(1.0)
+    opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(TypeError, match="total_norm must be a tensor .* got float 3.0"):
+        clipped_step(opt, params, 3.0, 1.0)
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
+

@@ -112,6 +112,9 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Par
     kernel: it is handed max(1, total_norm / max_norm) as `grad_scale`, divides each gradient by it as
     it reads it and writes it back scaled. That saves clip_grads_'s own read of every gradient (5.2 GB
     on a gpt-1.3b step). Other optimizers, and FSDP's DTensor parameters, get clip_grads_, then step()."""
+    if not isinstance(total_norm, torch.Tensor):
+        raise TypeError(f"total_norm must be a tensor (as global_grad_norm returns), got {type(total_norm).__name__} "
+                        f"{total_norm!r}")
     if max_norm > 0 and _step_divides_grads(optimizer):
         optimizer.grad_scale = ((total_norm.float() + 1e-6) / max_norm).clamp(min=1.0)
         try:
