@@ -99,10 +99,10 @@ def _step_divides_grads(optimizer: torch.optim.Optimizer) -> bool:
     """Whether optimizer.step() divides each gradient by `optimizer.grad_scale` as it reads it: torch's
     fused Adam/AdamW (the protocol torch.amp.GradScaler uses), over plain tensors, with no grad_scale
     already set (by a GradScaler)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = optimizer.param_groups
     return (isinstance(optimizer, torch.optim.Adam) and getattr(optimizer, "_step_supports_amp_scaling", False)
-            and not hasattr(optimizer, "grad_scale") and all(g.get("fused") for g in optimizer.param_groups)
-            and all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in params))
+            and not hasattr(optimizer, "grad_scale") and all(g.get("fused") for g in groups)
+            and all(type(p) in (torch.nn.Parameter, torch.Tensor) for g in groups for p in g["params"]))
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor,
