@@ -1,0 +1,88 @@
+"""Every rank must run the same job: one check at start-up, before any collective that could hang.
+
+Ranks that were launched with different arguments, or that read different data, do not fail
+by themselves: a different `log.interval` or `checkpoint.interval` leaves one rank waiting in a
+collective the others never call, a different model or batch size hangs or crashes inside NCCL,
+and tp ranks that read different tokens train silently wrong (each rank's shard of the model
+sees another batch). So the trainer compares a fingerprint of the job across all ranks once,
+right after the process groups exist, and every rank raises the same error when they differ.
+
+The fingerprint is the resolved config field by field, the resolved model config, and the
+training and held-out tokens by length and a digest of evenly spaced windows. Paths are compared
+only as set or unset (nodes may mount the same files under different paths): the digest decides
+whether the data is the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch.distributed as dist
+
+PATH_KEYS = ("data.path", "checkpoint.dir", "log.dir")  # may differ between nodes; compared as set/unset
+DIGEST_WINDOWS, DIGEST_WINDOW_TOKENS = 16, 4096  # reads 64K tokens however large the memmap
+
+
+def _flatten(tree: Dict, prefix: str = "") -> Dict[str, str]:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name != "model":  # model overrides compare as one value
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = repr(value)
+    return out
+
+
+def tokens_digest(tokens: Optional[np.ndarray]) -> str:
+    """"<length>:<sha1 prefix>" of `tokens` (1-D), read in DIGEST_WINDOWS evenly spaced windows."""
+    if tokens is None:
+        return "none"
+    n = len(tokens)
+    h = hashlib.sha1()
+    step = max(1, (n - DIGEST_WINDOW_TOKENS) // max(1, DIGEST_WINDOWS - 1))
+    for start in range(0, max(1, n - DIGEST_WINDOW_TOKENS + 1), step)[:DIGEST_WINDOWS]:
+        h.update(np.ascontiguousarray(tokens[start: start + DIGEST_WINDOW_TOKENS], dtype=np.int64).tobytes())
+    return f"{n}:{h.hexdigest()[:16]}"
+
+
+def job_fingerprint(cfg, model_config, train_tokens: np.ndarray, eval_tokens: Optional[np.ndarray]) -> Dict[str, str]:
+    """What every rank must agree on, as {name: printable value}: each TrainConfig field (paths as
+    set/unset), the resolved model config, and the train/eval token streams' digests."""
+    fields = _flatten(cfg.to_dict())
+    for key in PATH_KEYS:
+        fields[key] = "set" if fields.get(key) not in ("''", "[]", "None") else "unset"
+    resolved = dataclasses.asdict(model_config) if dataclasses.is_dataclass(model_config) else vars(model_config)
+    fields["resolved model"] = repr(sorted(resolved.items()))
+    fields["training tokens (count:digest)"] = tokens_digest(train_tokens)
+    fields["held-out tokens (count:digest)"] = tokens_digest(eval_tokens)
+    return fields
+
+
+def disagreements(fingerprints: List[Dict[str, str]], most: int = 3) -> List[str]:
+    """Lines naming each key (at most `most`) whose value differs across ranks, with the ranks per value."""
+    keys = list(dict.fromkeys(k for f in fingerprints for k in f))
+    lines = []
+    for key in keys:
+        by_value: Dict[str, List[int]] = {}
+        for rank, f in enumerate(fingerprints):
+            by_value.setdefault(f.get(key, "<missing>"), []).append(rank)
+        if len(by_value) > 1:
+            lines.append(f"{key}: " + "; ".join(f"{v} on ranks {r}" for v, r in by_value.items()))
+    return lines[:most] + ([f"... and {len(lines) - most} more"] if len(lines) > most else [])
+
+
+def check_ranks_agree(fingerprint: Dict[str, str], group: Optional[dist.ProcessGroup] = None) -> None:
+    """Gather every rank's fingerprint over `group` (default: the world) and raise ValueError on
+    every rank, naming what differs, unless all are equal. Collective: all ranks call it once."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    gathered: List[Optional[Dict[str, str]]] = [None] * world
+    dist.all_gather_object(gathered, fingerprint, group=group)
+    lines = disagreements(gathered)
+    if lines:
+        raise ValueError("the ranks of this job disagree, so its collectives would hang or train on different "
+                         "data; launch every rank with the same config and the same tokens:\n  " + "\n  ".join(lines))
