@@ -42,11 +42,10 @@ def all_reduce_grads_over_dp(model: nn.Module, dp_group: Optional[dist.ProcessGr
         by_dtype.setdefault((g.dtype, g.device), []).append(g)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(world)
         dist.all_reduce(flat, group=dp_group)
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        for g in grads:  # the mean is written straight back: no pass of its own over the bucket
+            torch.div(flat[offset: offset + g.numel()].view_as(g), world, out=g)
             offset += g.numel()
 
 
