@@ -1,4 +1,6 @@
 """The training loop on CPU ranks with a tiny tp model: tp=2 and dp=2 follow the single-process run."""
+import os
+
 import pytest
 import torch
 
@@ -113,3 +115,44 @@ def test_cuda_graphs_auto_is_off_on_cpu_and_on_names_what_stands_in_the_way(corp
     assert build.use_cuda_graphs(tiny_config(corpus, cuda_graphs="auto"), model, cpu)[0] is False
     with pytest.raises(ValueError, match=r"cuda_graphs=on is not possible here: block 0 has dropout=0.1"):
         build.use_cuda_graphs(tiny_config(corpus, cuda_graphs="on"), model, cpu)
+
+
+class PoisonedTrainer(Trainer):
+    """Sets one parameter to NaN on tp rank 0 before step `poison_at` (1-based), as a diverged run would."""
+
+    poison_at = 4
+
+    def train_step(self):
+        if self.step + 1 == self.poison_at and self.ps.tp_rank == 0:
+            with torch.no_grad():
+                next(self.model.parameters()).fill_(float("nan"))
+        return super().train_step()
+
+
+def diverging_run_body(cfg):
+    trainer = PoisonedTrainer(cfg, TinyConfig, TinyLM)
+    try:
+        trainer.run()
+    except FloatingPointError as e:
+        from tpflash import checkpoint
+        return str(e), trainer.step, checkpoint.latest(cfg.checkpoint.dir)
+    return None
+
+
+def test_a_nonfinite_gradient_stops_every_rank_before_it_is_saved(ranks, corpus, tmp_path):
+    # checkpoints every 2 steps, logs every 5: the NaN at step 4 is caught by step 4's save, not step 5's log
+    cfg = tiny_config(corpus, tp=2, train={"micro_batch_size": 2}, log={"interval": 5},
+                      checkpoint={"dir": str(tmp_path / "ckpt"), "interval": 2})
+    results = ranks(2).run(diverging_run_body, cfg)
+    assert results[0] is not None and results[0][:2] == results[1][:2], "both tp ranks must stop at the same step"
+    message, stopped_at, latest = results[0]
+    assert "the gradient norm was not finite at step 4 (now step 4)" in message
+    assert "the newest checkpoint is step 2" in message
+    assert stopped_at == 4 and latest is not None and os.path.basename(latest) == "step_2"
+
+
+def test_a_nonfinite_gradient_stops_the_run_at_the_next_log_step_without_checkpoints(ranks, corpus):
+    cfg = tiny_config(corpus, tp=1, log={"interval": 5})
+    message, stopped_at, _ = ranks(1).run(diverging_run_body, cfg)[0]
+    assert stopped_at == 5
+    assert "not finite at step 4 (now step 5)" in message and "no checkpoint was written" in message

@@ -71,6 +71,9 @@ class Trainer:
         self.sampler = GlobalSampler(len(self.train_data), cfg.seed)
         self.step, self._saved_step = 0, -1
         self.fault = Fault(dist.get_rank(), dist.get_world_size())
+        # the first step whose gradient norm was not finite (-1: none): kept on the device, so that no
+        # step waits for the GPU; read where the loop syncs anyway (log steps) and before every save
+        self._first_nonfinite = torch.full((), -1, dtype=torch.int64, device=self.device)
         self.resumed_from = self._resume()
         # after loading: the graphs replay on the parameter tensors they were captured with
         self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device)
@@ -92,12 +95,26 @@ class Trainer:
             raise ValueError(f"checkpoint step {self.step} disagrees with its scheduler step {self.schedule.step_count}")
         return info
 
+    def check_finite(self) -> None:
+        """Raise FloatingPointError if any step so far had a non-finite gradient norm (the norm is
+        global, so every rank raises at the same call and none waits in a collective)."""
+        first = int(self._first_nonfinite.item())
+        if first < 0:
+            return
+        last = f"the newest checkpoint is step {self._saved_step}" if self._saved_step >= 0 else "no checkpoint was written"
+        raise FloatingPointError(
+            f"the gradient norm was not finite at step {first} (now step {self.step}): training diverged or its "
+            f"input was bad; nothing after it is saved, and {last}. Resume from there with a lower train.lr, "
+            f"a smaller train.clip or more train.warmup_steps")
+
     def save(self, final: bool = True) -> None:
         """Write a checkpoint of the current step (collective: every rank calls it). With
-        checkpoint.async_save a non-final save returns once its tensors are staged in host memory."""
+        checkpoint.async_save a non-final save returns once its tensors are staged in host memory.
+        A state reached through a non-finite gradient is never saved (check_finite raises)."""
         ck = self.cfg.checkpoint
         if not ck.dir or self._saved_step == self.step:
             return
+        self.check_finite()
         from .. import checkpoint
         with self.fault.around_save(self.step, ck.dir):
             checkpoint.save(ck.dir, self.model, self.optimizer, step=self.step, keep=ck.keep,
@@ -136,6 +153,8 @@ class Trainer:
         if not self.fsdp:
             all_reduce_grads_over_dp(self.model, ps.dp_group)
         norm = global_grad_norm(self.model, ps.tp_group, ps.dp_group, self.fsdp, self.sharded_ids)
+        first_bad = (self._first_nonfinite < 0) & ~torch.isfinite(norm)
+        self._first_nonfinite = torch.where(first_bad, self.step + 1, self._first_nonfinite)
         lr = self.schedule.lr
         clipped_step(self.optimizer, self.model.parameters(), norm, self.cfg.train.clip)
         self.optimizer.zero_grad(set_to_none=True)
@@ -208,6 +227,7 @@ class Trainer:
                 losses.append(result["loss"])
                 self.fault.after_step(self.step)
                 if self.step % max(cfg.log.interval, 1) == 0 or self.step == cfg.train.steps:
+                    self.check_finite()
                     last = {"loss": self._dp_mean(torch.stack(losses).mean()), "lr": result["lr"],
                             "grad_norm": result["grad_norm"].item(), "epoch": self.sampler.epoch,
                             **meter.read(), **memory_gb(self.device)}
