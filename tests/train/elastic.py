@@ -18,7 +18,10 @@ TINY_GPT = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--mod
 
 
 def env(**extra: str) -> Dict[str, str]:
-    out = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """The workers' environment: CPU and gloo even on a GPU machine (what is tested is the restart, and
+    CPU runs are bit-reproducible, so a resumed run's loss equals the uninterrupted run's)."""
+    out = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out.pop("TPFLASH_FAULT", None)
     out.update(extra)
     return out

@@ -3,12 +3,15 @@ import os
 import re
 
 import numpy as np
+import pytest
 import torch.distributed as dist
 
 from tests.train.common import TEXT, tiny_config, write_corpus
 from tests.train.tiny_model import TinyConfig, TinyLM
 from tpflash.train.agreement import disagreements, tokens_digest
 from tpflash.train.loop import Trainer
+
+pytestmark = pytest.mark.cpu_ranks  # the tiny trainers run on CPU: gloo on CPU even where GPUs are visible
 
 
 def _start(cfg):
