@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 export OMP_NUM_THREADS=1   # one thread per rank: 2 ranks on 2 cores
+# CPU on every machine: on a GPU machine torchrun's two ranks would otherwise ask for two GPUs, and the
+# output below (fp32 on CPU) is what docs/training.md shows. GPU runs: README, "Training on GPUs".
+export CUDA_VISIBLE_DEVICES=""
 RUN="${TPFLASH_DEMO_DIR:-runs/demo}"
 rm -rf "$RUN"              # the demo starts fresh (a real run would resume from $RUN/ckpt)
 start=$(date +%s)
