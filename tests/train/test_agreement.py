@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from tests.train.common import TEXT, tiny_config, write_corpus
 from tests.train.tiny_model import TinyConfig, TinyLM
-from tpflash.train.agreement import disagreements, tokens_digest
+from tpflash.parallel.agreement import disagreements
+from tpflash.train.fingerprint import tokens_digest
 from tpflash.train.loop import Trainer
 
 pytestmark = pytest.mark.cpu_ranks  # the tiny trainers run on CPU: gloo on CPU even where GPUs are visible
@@ -27,6 +28,10 @@ def start_with_rank_lr(corpus):
     return _start(tiny_config(corpus, train={"lr": 0.01 * (1 + dist.get_rank())}))
 
 
+def start_with_rank_tp(corpus):
+    return _start(tiny_config(corpus, tp=2 - dist.get_rank()))
+
+
 def start_with_rank_corpus(directory, same_text):
     path = os.path.join(directory, f"rank{dist.get_rank()}")
     os.makedirs(path, exist_ok=True)
@@ -39,6 +44,14 @@ def test_ranks_with_different_learning_rates_are_refused_naming_the_key(ranks, t
     errors = ranks(2).run(start_with_rank_lr, write_corpus(str(tmp_path)))
     assert errors[0] == errors[1], "every rank must raise the same error"
     assert "train.lr: 0.01 on ranks [0]; 0.02 on ranks [1]" in errors[0]
+
+
+def test_ranks_asking_for_different_layouts_are_refused_before_building_the_mesh(ranks, tmp_path):
+    # tp=2 (dp=1) on rank 0 and tp=1 (dp=2) on rank 1 are each valid for a world of 2; without the
+    # check the two ranks build different meshes and go on (to hang or compute garbage later)
+    errors = ranks(2).run(start_with_rank_tp, write_corpus(str(tmp_path)))
+    assert errors[0] == errors[1]
+    assert "tp: 2 on ranks [0]; 1 on ranks [1]" in errors[0]
 
 
 def test_ranks_reading_different_tokens_are_refused(ranks, tmp_path):

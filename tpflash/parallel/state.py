@@ -11,12 +11,13 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .agreement import check_ranks_agree
 from .rendezvous import elastic_store
 
 
@@ -92,15 +93,18 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None,
-         timeout_s: float = 600.0) -> ParallelState:
+def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: float = 600.0,
+         agree: Optional[Dict[str, str]] = None) -> ParallelState:
     """Initialise torch.distributed from the torchrun environment and build the (dp, tp) mesh.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT through the env:// rendezvous, or
     torchrun's store with keys per restart attempt under `--max-restarts`: see rendezvous.py);
     with none set, runs as a single process (world 1) on a local rendezvous. The backend is
     nccl when CUDA is available, else gloo. The device is cuda:LOCAL_RANK or cpu.
-    The layout is checked before any group is created, so bad input cannot hang.
+    The layout is checked before any group is created, so bad input cannot hang. `agree`
+    ({name: value} strings, e.g. the trainer's job fingerprint) is compared across the world once
+    its process group exists and before the mesh is built: where ranks differ, every rank raises
+    the same ValueError naming what differs (tpflash.parallel.agreement).
     """
     world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
     dp = check_layout(world_size, tp, dp)
@@ -128,6 +132,8 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None,
                                               world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), timeout=timeout,
                                 device_id=device if use_cuda else None, **where)
+    if agree is not None:  # before the mesh: ranks asking for different (dp, tp) would build different meshes
+        check_ranks_agree(agree)
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     state = ParallelState(
         mesh=mesh, tp_group=mesh["tp"].get_group(), dp_group=mesh["dp"].get_group(),

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .. import parallel
 from . import build
-from .agreement import check_ranks_agree, job_fingerprint
+from .fingerprint import job_fingerprint
 from .config import TrainConfig, to_yaml
 from .data import load_tokens, make_tokenizer, token_format, split_train_eval, unigram_entropy
 from .faults import Fault, StopSignal
@@ -51,10 +51,10 @@ class Trainer:
         self.train_data, self.eval_data = split_train_eval(tokens, self.seq_len, cfg.data.eval_fraction)
         self.entropy = unigram_entropy(self.train_data.tokens, self.model_config.vocab_size)
 
-        self.ps = parallel.init(tp=cfg.tp, dp=dp)
+        fingerprint = job_fingerprint(cfg, self.model_config, self.train_data.tokens,
+                                      self.eval_data.tokens if self.eval_data else None)
+        self.ps = parallel.init(tp=cfg.tp, dp=dp, agree=fingerprint)  # every rank runs this same job, or all raise
         self.device = self.ps.device
-        check_ranks_agree(job_fingerprint(cfg, self.model_config, self.train_data.tokens,
-                                          self.eval_data.tokens if self.eval_data else None))
         self.is_main = dist.get_rank() == 0
         self.amp_dtype = build.autocast_dtype(cfg, self.device)
         torch.manual_seed(cfg.seed)  # identical on every rank: tp shards are slices of one init

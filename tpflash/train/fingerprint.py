@@ -1,11 +1,13 @@
-"""Every rank must run the same job: one check at start-up, before any collective that could hang.
+"""What every rank of a training job must agree on: its fingerprint, checked once at start-up.
 
 Ranks that were launched with different arguments, or that read different data, do not fail
 by themselves: a different `log.interval` or `checkpoint.interval` leaves one rank waiting in a
 collective the others never call, a different model or batch size hangs or crashes inside NCCL,
 and tp ranks that read different tokens train silently wrong (each rank's shard of the model
-sees another batch). So the trainer compares a fingerprint of the job across all ranks once,
-right after the process groups exist, and every rank raises the same error when they differ.
+sees another batch). So the trainer hands this fingerprint to `tpflash.parallel.init(agree=...)`,
+which compares it across all ranks right after the world's process group exists and before the
+(dp, tp) mesh is built (ranks with different tp or dp would otherwise build different meshes), and every rank
+raises the same error when they differ.
 
 The fingerprint is the resolved config field by field, the resolved model config, and the
 training and held-out tokens by length and a digest of evenly spaced windows. Paths are compared
@@ -16,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
-import torch.distributed as dist
 
 PATH_KEYS = ("data.path", "checkpoint.dir", "log.dir")  # may differ between nodes; compared as set/unset
 DIGEST_WINDOWS, DIGEST_WINDOW_TOKENS = 16, 4096  # reads 64K tokens however large the memmap
@@ -59,30 +60,3 @@ def job_fingerprint(cfg, model_config, train_tokens: np.ndarray, eval_tokens: Op
     fields["training tokens (count:digest)"] = tokens_digest(train_tokens)
     fields["held-out tokens (count:digest)"] = tokens_digest(eval_tokens)
     return fields
-
-
-def disagreements(fingerprints: List[Dict[str, str]], most: int = 3) -> List[str]:
-    """Lines naming each key (at most `most`) whose value differs across ranks, with the ranks per value."""
-    keys = list(dict.fromkeys(k for f in fingerprints for k in f))
-    lines = []
-    for key in keys:
-        by_value: Dict[str, List[int]] = {}
-        for rank, f in enumerate(fingerprints):
-            by_value.setdefault(f.get(key, "<missing>"), []).append(rank)
-        if len(by_value) > 1:
-            lines.append(f"{key}: " + "; ".join(f"{v} on ranks {r}" for v, r in by_value.items()))
-    return lines[:most] + ([f"... and {len(lines) - most} more"] if len(lines) > most else [])
-
-
-def check_ranks_agree(fingerprint: Dict[str, str], group: Optional[dist.ProcessGroup] = None) -> None:
-    """Gather every rank's fingerprint over `group` (default: the world) and raise ValueError on
-    every rank, naming what differs, unless all are equal. Collective: all ranks call it once."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    gathered: List[Optional[Dict[str, str]]] = [None] * world
-    dist.all_gather_object(gathered, fingerprint, group=group)
-    lines = disagreements(gathered)
-    if lines:
-        raise ValueError("the ranks of this job disagree, so its collectives would hang or train on different "
-                         "data; launch every rank with the same config and the same tokens:\n  " + "\n  ".join(lines))
