@@ -76,3 +76,32 @@ def test_consolidate_cli_writes_a_hugging_face_model_dir(saved):
     assert hf.config.vocab_size == GPT_CONFIG["vocab_size"]
     wte = hf.get_input_embeddings().weight
     assert torch.equal(wte, gpt_full["tok_embeddings.weight"])
+
+
+def _python_fails(*args):
+    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, (done.stdout, done.stderr[-3000:])
+    return done.stderr
+
+
+def test_info_cli_describes_a_checkpoint_saved_at_tp2(saved):
+    _, tiny_root, tiny_full, _, _ = saved
+    out = _python("-m", "tpflash.checkpoint", "info", tiny_root)
+    values = sum(v.numel() for v in tiny_full.values())
+    assert "step 1" in out and "saved at tp=2 dp=1 (world 2)" in out
+    assert f"{len(tiny_full)} tensors, {values:,} values; optimizer state" in out
+    assert "every file's sha256 matches its manifest" in out
+
+
+def test_info_cli_exits_1_naming_a_damaged_file(saved, tmp_path):
+    import shutil
+    _, tiny_root, _, _, _ = saved
+    copy = str(tmp_path / "copy")
+    shutil.copytree(tpflash.checkpoint.latest(tiny_root), copy)
+    shard = sorted(n for n in os.listdir(copy) if n.endswith(".distcp"))[0]
+    with open(os.path.join(copy, shard), "r+b") as f:  # same size, one byte changed: only the sha256 sees it
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    assert f"file {shard} fails its sha256 checksum" in _python_fails("-m", "tpflash.checkpoint", "info", copy)
+    assert "checksums not read" in _python("-m", "tpflash.checkpoint", "info", copy, "--no-verify")

@@ -1,4 +1,5 @@
-"""`python -m tpflash.checkpoint consolidate DIR OUT.safetensors [--hf-dir HFDIR]` (CPU, single process)."""
+"""`python -m tpflash.checkpoint consolidate DIR OUT.safetensors [--hf-dir HFDIR]` and
+`python -m tpflash.checkpoint info DIR [--no-verify]` (CPU, single process)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,19 @@ def main(argv=None) -> int:
     cons.add_argument("dir", help="a checkpoint directory (step_N) or a checkpoint root (its latest is used)")
     cons.add_argument("out", help="output .safetensors file")
     cons.add_argument("--hf-dir", default=None, help="also write a Hugging Face model directory (GPT-2/Llama)")
+    info = commands.add_parser("info", help="what a checkpoint holds; exit 1 if any of its files is damaged")
+    info.add_argument("dir", help="a checkpoint directory (step_N) or a checkpoint root (its latest is used)")
+    info.add_argument("--no-verify", action="store_true", help="check file sizes only, not their sha256")
     args = parser.parse_args(argv)
+    if args.command == "info":
+        from .info import describe, format_description
+        from .integrity import CheckpointCorruptError
+        try:
+            print("\n".join(format_description(describe(args.dir, verify=not args.no_verify))))
+        except (CheckpointCorruptError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     from .consolidate import consolidate
     tensors = consolidate(args.dir, args.out, args.hf_dir)
     numel = sum(t.numel() for t in tensors.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import warnings
 from typing import Dict, Optional
 
 import torch
@@ -19,6 +20,13 @@ from .extras import CONFIG_FILE
 from .layout import MODEL_PREFIX
 
 
+def load_in_one_process(state: Dict[str, object], reader: dcp.FileSystemReader) -> None:
+    """dcp.load(state) in this process alone, without DCP's warning that this is what it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+
+
 def load_model_tensors(path: str, verify: bool = True) -> Dict[str, torch.Tensor]:
     """{state-dict key: unsharded CPU tensor} of the model in checkpoint `path` (a step dir or a root)."""
     path = directory.resolve(path)
@@ -28,7 +36,7 @@ def load_model_tensors(path: str, verify: bool = True) -> Dict[str, torch.Tensor
     saved = reader.read_metadata().state_dict_metadata
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in saved.items()
              if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    load_in_one_process(state, reader)
     return {key[len(MODEL_PREFIX):]: value for key, value in state.items()}
 
 
