@@ -9,7 +9,8 @@ from tests.train.common import tiny_config, write_corpus
 from tests.train.tiny_model import TinyConfig, TinyLM
 from tpflash.train.loop import Trainer
 
-pytestmark = pytest.mark.cpu_ranks  # the curves compare fp32 runs of several world sizes: gloo on CPU even where GPUs are visible
+# the curves compare fp32 runs of several world sizes: gloo on CPU even where GPUs are visible
+pytestmark = pytest.mark.cpu_ranks
 
 STEPS = 6
 

@@ -101,7 +101,8 @@ class Trainer:
         first = int(self._first_nonfinite.item())
         if first < 0:
             return
-        last = f"the newest checkpoint is step {self._saved_step}" if self._saved_step >= 0 else "no checkpoint was written"
+        last = (f"the newest checkpoint is step {self._saved_step}" if self._saved_step >= 0
+                else "no checkpoint was written")
         raise FloatingPointError(
             f"the gradient norm was not finite at step {first} (now step {self.step}): training diverged or its "
             f"input was bad; nothing after it is saved, and {last}. Resume from there with a lower train.lr, "
