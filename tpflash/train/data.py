@@ -11,7 +11,7 @@ import fnmatch
 import glob
 import os
 import sysconfig
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -122,20 +122,25 @@ def load_tokens(cfg: DataConfig, tokenizer) -> np.ndarray:
         if cfg.max_bytes:
             tokens = tokens[: cfg.max_bytes // tokens.itemsize]
         return tokens
+    return np.concatenate([tokenizer.encode(chunk) for chunk in text_chunks(cfg)])
+
+
+def text_chunks(cfg: DataConfig) -> Iterator[bytes]:
+    """The text a text-format stream is made of: each file's bytes and a newline, in sorted path order,
+    at most `max_bytes` in all. Tokenized one file at a time (here and in tpflash.train.prepare)."""
     files = text_files(cfg.path, cfg.include, cfg.exclude)
     if not files:
         raise ValueError(f"no files match data.path={cfg.path} include={cfg.include} exclude={cfg.exclude}")
-    chunks, total = [], 0
+    total = 0
     for name in files:
         with open(name, "rb") as f:
             data = f.read()
         if cfg.max_bytes and total + len(data) > cfg.max_bytes:
             data = data[: cfg.max_bytes - total]
-        chunks.append(data + b"\n")
+        yield data + b"\n"
         total += len(data) + 1
         if cfg.max_bytes and total >= cfg.max_bytes:
             break
-    return tokenizer.encode(b"".join(chunks))
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
