@@ -182,6 +182,22 @@ def from_hf(hf_model, process_group=None, sequence_parallel: bool = False, **ove
     return model
 
 
+def config_from_hf(hf_config) -> GPTConfig:
+    """The GPTConfig of a transformers GPT2Config or LlamaConfig (ValueError for other model types)."""
+    return _CONFIG[_family(hf_config.model_type)](hf_config)
+
+
+def load_hf_weights(model: GPT, hf_dir: str) -> None:
+    """Copy the weights of the Hugging Face model saved in `hf_dir` (GPT-2 or Llama, local files only)
+    into `model`, a GPT built from `config_from_hf` of the same config (shape-changing overrides
+    raise ValueError naming the tensor). Each rank reads the files and keeps its own shard: no
+    communication. The tensors keep the model's dtype and device."""
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True)
+    family = _family(hf.config.model_type)
+    load_full_state_dict(model, _IMPORT[family]({k: v.detach() for k, v in hf.state_dict().items()}, model.config))
+
+
 def to_hf(model: GPT):
     """The transformers model (GPT2LMHeadModel or LlamaForCausalLM, on CPU, the model's dtype)
     holding `model`'s full weights. Collective over the model's tp group: call on all its ranks."""

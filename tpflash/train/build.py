@@ -49,20 +49,45 @@ def plan_batches(cfg: TrainSection, dp: int) -> BatchPlan:
 
 
 def resolve_model_config(fields: Dict[str, Any], vocab_size: Optional[int], config_cls) -> Any:
-    """The model config: `config_cls.preset(preset)` (or defaults) with the given fields replaced.
+    """The model config: `config_cls.preset(preset)`, or the config of the Hugging Face model in
+    `init_from`, or the defaults, with the given fields replaced.
 
-    vocab_size: the tokenizer's vocabulary, used unless the config names one explicitly.
+    vocab_size: the tokenizer's vocabulary, used unless the config names one explicitly or comes
+    from `init_from` (whose vocabulary must then hold the tokenizer's).
     """
     fields = dict(fields)
-    preset = fields.pop("preset", None)
+    preset, init_from = fields.pop("preset", None), fields.pop("init_from", None)
     known = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"unknown model config keys {unknown}; valid: {sorted(known)}")
+    if init_from:
+        base = hf_model_config(init_from, preset, config_cls)
+        if vocab_size is not None and vocab_size > base.vocab_size:
+            raise ValueError(f"the tokenizer has {vocab_size} ids but model.init_from={init_from!r} has a "
+                             f"vocabulary of {base.vocab_size}: use the tokenizer the model was trained with")
+        return dataclasses.replace(base, **fields)
     if vocab_size is not None and "vocab_size" not in fields:
         fields["vocab_size"] = vocab_size
     base = config_cls.preset(preset) if preset else None
     return dataclasses.replace(base, **fields) if base is not None else config_cls(**fields)
+
+
+def hf_model_config(hf_dir: str, preset: Optional[str], config_cls) -> Any:
+    """The GPTConfig of the Hugging Face model saved in `hf_dir` (local files, GPT-2 or Llama)."""
+    from ..models import GPTConfig
+    if preset:
+        raise ValueError(f"model.preset={preset!r} and model.init_from={hf_dir!r} both choose the model: give one")
+    if config_cls is not GPTConfig:
+        raise ValueError(f"model.init_from needs tpflash's GPT, not {config_cls.__name__}")
+    try:
+        import transformers
+        hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    except (ImportError, OSError, ValueError) as e:
+        raise ValueError(f"model.init_from={hf_dir!r} is not a local Hugging Face model directory "
+                         f"({type(e).__name__}: {e})") from None
+    from ..models.hf import config_from_hf
+    return config_from_hf(hf_config)
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:

@@ -18,17 +18,18 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 def _model_keys() -> tuple:
-    """"preset" plus GPTConfig's fields (a fixed list when tpflash.models cannot be imported)."""
+    """"preset", "init_from" and GPTConfig's fields (a fixed list when tpflash.models cannot be imported)."""
     try:
         from ..models.config import GPTConfig
-        return ("preset",) + tuple(f.name for f in dataclasses.fields(GPTConfig))
+        return ("preset", "init_from") + tuple(f.name for f in dataclasses.fields(GPTConfig))
     except ImportError:
-        return ("preset", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden",
+        return ("preset", "init_from", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden",
                 "mlp", "norm", "position", "tie_embeddings", "bias", "dropout", "norm_eps", "rope_theta",
                 "sequence_parallel", "activation_checkpointing", "fused_loss", "init_std", "seed")
 
 
-MODEL_KEYS = _model_keys()  # `preset` picks GPTConfig.preset(name); the other keys replace its fields
+MODEL_KEYS = _model_keys()  # `preset` picks GPTConfig.preset(name), `init_from` a Hugging Face model directory
+# (its config, and its weights at step 0); the other keys replace their fields
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-PATH_KEYS = ("data.path", "checkpoint.dir", "log.dir")  # may differ between nodes; compared as set/unset
+PATH_KEYS = ("data.path", "checkpoint.dir", "log.dir", "model.init_from")  # may differ between nodes: set/unset
 DIGEST_WINDOWS, DIGEST_WINDOW_TOKENS = 16, 4096  # reads 64K tokens however large the memmap
 
 
@@ -30,7 +30,7 @@ def _flatten(tree: Dict, prefix: str = "") -> Dict[str, str]:
     out = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and name != "model":  # model overrides compare as one value
+        if isinstance(value, dict):
             out.update(_flatten(value, name + "."))
         else:
             out[name] = repr(value)
@@ -54,7 +54,7 @@ def job_fingerprint(cfg, model_config, train_tokens: np.ndarray, eval_tokens: Op
     set/unset), the resolved model config, and the train/eval token streams' digests."""
     fields = _flatten(cfg.to_dict())
     for key in PATH_KEYS:
-        fields[key] = "set" if fields.get(key) not in ("''", "[]", "None") else "unset"
+        fields[key] = "unset" if fields.get(key) in (None, "''", "[]", "None") else "set"
     resolved = dataclasses.asdict(model_config) if dataclasses.is_dataclass(model_config) else vars(model_config)
     fields["resolved model"] = repr(sorted(resolved.items()))
     fields["training tokens (count:digest)"] = tokens_digest(train_tokens)

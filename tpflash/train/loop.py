@@ -59,6 +59,10 @@ class Trainer:
         self.amp_dtype = build.autocast_dtype(cfg, self.device)
         torch.manual_seed(cfg.seed)  # identical on every rank: tp shards are slices of one init
         self.model = model_cls(self.model_config, process_group=None, device=self.device)
+        self.init_from = cfg.model.get("init_from") or None
+        if self.init_from and not self._checkpoint_to_resume():  # a resumed run has trained past these weights
+            from ..models.hf import load_hf_weights
+            load_hf_weights(self.model, self.init_from)
         self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
         self.fsdp = build.use_fsdp(cfg, dp)
         if self.fsdp:
@@ -82,13 +86,18 @@ class Trainer:
                 self.model.capture_cuda_graphs(self.plan.micro, self.seq_len)
 
     # ---------------------------------------------------------------- checkpoints
-    def _resume(self) -> Optional[Dict]:
+    def _checkpoint_to_resume(self) -> bool:
         ck = self.cfg.checkpoint
         if not (ck.dir and ck.resume):
+            return False
+        from .. import checkpoint
+        return checkpoint.latest(ck.dir) is not None
+
+    def _resume(self) -> Optional[Dict]:
+        if not self._checkpoint_to_resume():
             return None
         from .. import checkpoint
-        if checkpoint.latest(ck.dir) is None:
-            return None
+        ck = self.cfg.checkpoint
         info = checkpoint.load(ck.dir, self.model, self.optimizer, scheduler=self.schedule, data=self.sampler)
         self.step = self._saved_step = int(info["step"])
         if self.schedule.step_count != self.step:
@@ -202,6 +211,8 @@ class Trainer:
                  f"{len(self.eval_data) if self.eval_data else 0} eval sequences")
         out.note(f"unigram entropy of the training tokens: {self.entropy:.3f} nats/token "
                  "(a model that ignores context cannot do better)")
+        if self.init_from and self.resumed_from is None:
+            out.note(f"weights at step 0 from the Hugging Face model in {self.init_from}")
         if self.resumed_from is not None:
             info = self.resumed_from
             saved = f" saved at tp={info.get('saved_tp', '?')} dp={info.get('saved_dp', '?')}" if info else ""
