@@ -77,7 +77,8 @@ def hf_model_config(hf_dir: str, preset: Optional[str], config_cls) -> Any:
     """The GPTConfig of the Hugging Face model saved in `hf_dir` (local files, GPT-2 or Llama)."""
     from ..models import GPTConfig
     if preset:
-        raise ValueError(f"model.preset={preset!r} and model.init_from={hf_dir!r} both choose the model: give one")
+        raise ValueError(f"model.preset={preset!r} and model.init_from={hf_dir!r} both choose the model: give one "
+                         "(--model.preset= clears a config file's preset)")
     if config_cls is not GPTConfig:
         raise ValueError(f"model.init_from needs tpflash's GPT, not {config_cls.__name__}")
     try:
