@@ -38,36 +38,14 @@ class Trainer:
         if config_cls is None or model_cls is None:
             from ..models import GPT, GPTConfig
             config_cls, model_cls = config_cls or GPTConfig, model_cls or GPT
-        is_text = token_format(cfg.data) == "text"
-        self._tokenizer = make_tokenizer(cfg.data.tokenizer) if is_text else None  # token files: only to sample
-        tokens = load_tokens(cfg.data, self._tokenizer)
-        self.model_config = build.resolve_model_config(
-            cfg.model, self._tokenizer.vocab_size if is_text else None, config_cls)
-        if hasattr(self.model_config, "check_tp"):
-            self.model_config.check_tp(cfg.tp)
-        self.seq_len = cfg.data.seq_len or self.model_config.block_size
-        if self.seq_len > self.model_config.block_size:
-            raise ValueError(f"data.seq_len={self.seq_len} exceeds model.block_size={self.model_config.block_size}")
-        self.train_data, self.eval_data = split_train_eval(tokens, self.seq_len, cfg.data.eval_fraction)
-        self.entropy = unigram_entropy(self.train_data.tokens, self.model_config.vocab_size)
-
+        self._load_data(config_cls)  # before any process group: bad data or config raise on every rank
         fingerprint = job_fingerprint(cfg, self.model_config, self.train_data.tokens,
                                       self.eval_data.tokens if self.eval_data else None)
         self.ps = parallel.init(tp=cfg.tp, dp=dp, agree=fingerprint)  # every rank runs this same job, or all raise
         self.device = self.ps.device
         self.is_main = dist.get_rank() == 0
         self.amp_dtype = build.autocast_dtype(cfg, self.device)
-        torch.manual_seed(cfg.seed)  # identical on every rank: tp shards are slices of one init
-        self.model = model_cls(self.model_config, process_group=None, device=self.device)
-        self.init_from = cfg.model.get("init_from") or None
-        if self.init_from and not self._checkpoint_to_resume():  # a resumed run has trained past these weights
-            from ..models.hf import load_hf_weights
-            load_hf_weights(self.model, self.init_from)
-        self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
-        self.fsdp = build.use_fsdp(cfg, dp)
-        if self.fsdp:
-            parallel.apply_fsdp(self.model, self.ps)
-            self.sharded_ids = tp_sharded_param_ids(self.model)
+        self._build_model(model_cls, dp)
         self.optimizer = build.make_optimizer(self.model, cfg.train, self.device)
         t = cfg.train
         decay = t.decay_steps or max(0, t.steps - t.warmup_steps)
@@ -84,6 +62,36 @@ class Trainer:
         if self.cuda_graphs:
             with build.autocast(self.device, self.amp_dtype):
                 self.model.capture_cuda_graphs(self.plan.micro, self.seq_len)
+
+    def _load_data(self, config_cls) -> None:
+        """The tokenizer, the resolved model config, and the train/eval token windows."""
+        cfg = self.cfg
+        is_text = token_format(cfg.data) == "text"
+        self._tokenizer = make_tokenizer(cfg.data.tokenizer) if is_text else None  # token files: only to sample
+        tokens = load_tokens(cfg.data, self._tokenizer)
+        self.model_config = build.resolve_model_config(
+            cfg.model, self._tokenizer.vocab_size if is_text else None, config_cls)
+        if hasattr(self.model_config, "check_tp"):
+            self.model_config.check_tp(cfg.tp)
+        self.seq_len = cfg.data.seq_len or self.model_config.block_size
+        if self.seq_len > self.model_config.block_size:
+            raise ValueError(f"data.seq_len={self.seq_len} exceeds model.block_size={self.model_config.block_size}")
+        self.train_data, self.eval_data = split_train_eval(tokens, self.seq_len, cfg.data.eval_fraction)
+        self.entropy = unigram_entropy(self.train_data.tokens, self.model_config.vocab_size)
+
+    def _build_model(self, model_cls, dp: int) -> None:
+        """The model on this rank's device: seeded init (or init_from's weights), then FSDP over dp if used."""
+        torch.manual_seed(self.cfg.seed)  # identical on every rank: tp shards are slices of one init
+        self.model = model_cls(self.model_config, process_group=None, device=self.device)
+        self.init_from = self.cfg.model.get("init_from") or None
+        if self.init_from and not self._checkpoint_to_resume():  # a resumed run has trained past these weights
+            from ..models.hf import load_hf_weights
+            load_hf_weights(self.model, self.init_from)
+        self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
+        self.fsdp = build.use_fsdp(self.cfg, dp)
+        if self.fsdp:
+            parallel.apply_fsdp(self.model, self.ps)
+            self.sharded_ids = tp_sharded_param_ids(self.model)
 
     # ---------------------------------------------------------------- checkpoints
     def _checkpoint_to_resume(self) -> bool:
