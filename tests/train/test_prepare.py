@@ -63,3 +63,13 @@ def test_cli_reports_what_it_wrote_and_leaves_no_temporary_file(corpus, tmp_path
     assert done.returncode == 0, done.stderr
     assert "from 3 files" in done.stdout and f"--data.path={out}" in done.stdout
     assert os.listdir(tmp_path / "data") == ["train.bin"]
+
+
+def test_several_workers_write_the_same_file(tmp_path):
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(21):  # several batches of 4 * workers files
+        (many / f"{i:02d}.txt").write_text(f"file {i}: " + "é" * i + "\n")
+    one, two = str(tmp_path / "one.bin"), str(tmp_path / "two.bin")
+    assert prepare(one, [str(many)]) == prepare(two, [str(many)], workers=2)
+    assert open(one, "rb").read() == open(two, "rb").read()

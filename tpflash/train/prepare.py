@@ -1,7 +1,7 @@
 """Tokenize text once into the flat token file the trainer memory-maps.
 
     python -m tpflash.train.prepare OUT.bin PATH [PATH ...] [--tokenizer gpt2] [--include '*.txt']
-                                    [--exclude tests] [--max-bytes N]
+                                    [--exclude tests] [--max-bytes N] [--workers N]
 
 The file holds exactly the tokens that `data.format: text` reads from the same paths and options
 (each file's bytes and a newline, in sorted path order, tokenized one file at a time), as uint16
@@ -12,10 +12,11 @@ is written as OUT.tmp and renamed when complete, so a crash never leaves a short
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Iterator, Sequence, Tuple
 
 import numpy as np
 
@@ -25,10 +26,41 @@ from .data import make_tokenizer, text_chunks, token_format
 PROGRESS_EVERY_S = 5.0
 
 
+_worker_tokenizer = None  # one per worker process of a `workers > 1` run
+
+
+def _encode_in_worker(args):
+    name, chunk = args
+    global _worker_tokenizer
+    if _worker_tokenizer is None:
+        _worker_tokenizer = make_tokenizer(name)
+    return _worker_tokenizer.encode(chunk)
+
+
+def _encoded(chunks: Iterator[bytes], tokenizer, name: str, workers: int) -> Iterator[Tuple[bytes, np.ndarray]]:
+    """(chunk, its tokens) in the chunks' order, encoded here or by `workers` processes, a bounded
+    batch of files at a time (so the text in memory stays a few files per worker)."""
+    if workers <= 1:
+        for chunk in chunks:
+            yield chunk, tokenizer.encode(chunk)
+        return
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        while True:
+            batch = list(itertools.islice(chunks, 4 * workers))
+            if not batch:
+                return
+            yield from zip(batch, pool.map(_encode_in_worker, [(name, chunk) for chunk in batch]))
+
+
 def prepare(out: str, paths: Sequence[str], tokenizer: str = "byte", include: Sequence[str] = ("*",),
-            exclude: Sequence[str] = (), max_bytes: int = 0, progress: Callable[[str], None] = print) -> Dict:
+            exclude: Sequence[str] = (), max_bytes: int = 0, workers: int = 1,
+            progress: Callable[[str], None] = print) -> Dict:
     """Write the token file `out` from the text under `paths`; returns {"tokens", "files", "bytes", "dtype"}.
-    Progress lines go to `progress` every few seconds on long inputs."""
+    `workers` > 1 tokenizes files in that many processes (the file is the same). Progress lines go to
+    `progress` every few seconds on long inputs."""
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1")
     fmt = token_format(DataConfig(path=[out]))
     if fmt == "text":
         raise ValueError(f"out={out!r} must end in .bin or .u16 (uint16 tokens) or .u32 (uint32 tokens), "
@@ -46,8 +78,7 @@ def prepare(out: str, paths: Sequence[str], tokenizer: str = "byte", include: Se
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     try:
         with open(tmp, "wb") as f:
-            for chunk in text_chunks(cfg):
-                ids = tok.encode(chunk)
+            for chunk, ids in _encoded(text_chunks(cfg), tok, tokenizer, workers):
                 f.write(np.asarray(ids, dtype=dtype).tobytes())
                 done["tokens"] += len(ids)
                 done["files"] += 1
@@ -73,9 +104,11 @@ def main(argv=None) -> int:
     parser.add_argument("--include", nargs="+", default=["*"], help="file-name patterns to read (default: all)")
     parser.add_argument("--exclude", nargs="+", default=[], help="path patterns to skip")
     parser.add_argument("--max-bytes", type=int, default=0, help="stop after this much text (0: all)")
+    parser.add_argument("--workers", type=int, default=1, help="processes that tokenize files (default 1)")
     args = parser.parse_args(argv)
     try:
-        done = prepare(args.out, args.paths, args.tokenizer, args.include, args.exclude, args.max_bytes)
+        done = prepare(args.out, args.paths, args.tokenizer, args.include, args.exclude, args.max_bytes,
+                       args.workers)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
