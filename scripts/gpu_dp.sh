@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# At dp > 1, which is faster: FSDP (the default, fsdp=auto; it turns the CUDA graphs off, so the blocks
+# run eagerly) or fsdp=off (the graphs stay on; the gradients are all-reduced over dp once per step)?
+# The trainer on 4 GPUs (nvidia-h200-x4) at tp=2 dp=2, gpt-1.3b, 4 x 2048 tokens per rank and step,
+# byte-level text with the 50304 vocabulary; each layout for $STEPS steps (default 40), logged every 10:
+#   OUT=<dir> bash scripts/gpu_dp.sh [extra trainer overrides]
+# Prints the layout line and the [train] lines of each run, tagged; metrics under $OUT/dp_<tag>.
+# Not yet run: the sessions so far had no machine with more than two GPUs (docs/training.md, GPU notes).
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+NPROC=${NPROC:-4}
+TP=${TP:-2}
+nvidia-smi -L
+for fsdp in on off; do
+  timeout 280 $RUN --nproc_per_node="$NPROC" -m tpflash.train --config configs/gpt-1.3b.yaml --tp="$TP" \
+    --fsdp=$fsdp --data.path=@stdlib --data.include='*.py' --data.format=text --data.tokenizer=byte \
+    --data.max_bytes=20000000 --model.vocab_size=50304 --train.batch_size=$((4 * NPROC / TP)) \
+    --train.micro_batch_size=4 --train.warmup_steps=5 --train.steps="${STEPS:-40}" --train.eval_interval=1000 \
+    --train.eval_batches=1 --checkpoint.dir= --log.interval=10 --log.progress=lines --log.dir="$OUT/dp_fsdp_$fsdp" \
+    "$@" 2>&1 | grep -E "^layout|^\[train\]|Error|error" | sed "s/^/fsdp=$fsdp /"
+done
