@@ -1,7 +1,7 @@
 """The training configuration: dataclasses, loaded from YAML and overridden from the command line.
 
 A config has top-level keys (tp, dp, seed, dtype, fsdp, cuda_graphs) and sections: `model` (a preset name
-and/or GPTConfig fields), `data`, `train` (optimisation and batch sizes), `checkpoint` and `log`.
+or a Hugging Face model directory in `init_from`, and/or GPTConfig fields), `data`, `train` (optimisation and batch sizes), `checkpoint` and `log`.
 YAML mirrors that nesting. Command-line overrides are `--section.key=value` (or
 `--section.key value`); a bare `--key=value` is accepted when the key names exactly one field
 (`--lr=3e-4` means `--train.lr=3e-4`; `--dir` is ambiguous and says so). Values are converted
