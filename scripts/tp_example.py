@@ -39,3 +39,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    tpflash.parallel.shutdown()  # after main's layers are gone: frees the groups while the interpreter is whole

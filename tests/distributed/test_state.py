@@ -1,4 +1,8 @@
 """tpflash.parallel.init: the (dp, tp) mesh from the torchrun environment, and its errors."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch.distributed as dist
 
@@ -60,3 +64,14 @@ def test_init_rejects_tp_not_dividing_world_on_every_rank_without_hanging(ranks)
 
 def test_explicit_process_group_overrides_the_default_state(ranks):
     ranks(4).run(explicit_group_body)
+
+
+def test_shutdown_destroys_the_groups_and_clears_the_default_state():
+    # in a process of its own: the test process's pools keep their groups
+    script = ("import torch.distributed as dist; from tpflash import parallel; parallel.init(tp=1); "
+              "assert parallel.get_default_state() is not None; parallel.shutdown(); "
+              "assert not dist.is_initialized() and parallel.get_default_state() is None; print('clean')")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0 and "clean" in done.stdout, done.stderr[-2000:]

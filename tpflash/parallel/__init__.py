@@ -2,8 +2,9 @@
 from . import comm
 from .fsdp import apply_fsdp, block_wrap_policy, size_wrap_policy
 from .sharding import ShardSpec, full_state_dict, load_full_state_dict
-from .state import NO_GROUP, ParallelState, check_layout, get_default_state, init, resolve_tp_group, set_default_state
+from .state import (NO_GROUP, ParallelState, check_layout, get_default_state, init, resolve_tp_group,
+                    set_default_state, shutdown)
 
 __all__ = ["NO_GROUP", "ParallelState", "ShardSpec", "apply_fsdp", "block_wrap_policy", "check_layout", "comm",
            "full_state_dict", "get_default_state", "init", "load_full_state_dict", "resolve_tp_group",
-           "set_default_state", "size_wrap_policy"]
+           "set_default_state", "shutdown", "size_wrap_policy"]

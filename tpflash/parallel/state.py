@@ -73,6 +73,18 @@ def set_default_state(state: Optional[ParallelState]) -> None:
     _default_state = state
 
 
+def shutdown() -> None:
+    """End the job's distributed state: destroy every process group, clear the default state, and free
+    what referred to them now. Call it last, after dropping your own model (`del model`): on CPU, gloo
+    groups and device meshes left for the interpreter's exit made about 1 in 10 two-rank runs abort
+    with SIGABRT after finishing (torch 2.13)."""
+    import gc
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_default_state(None)
+    gc.collect()
+
+
 def check_layout(world_size: int, tp: int, dp: int) -> int:
     """Validate (world, tp, dp) and return dp (resolving dp=-1). Raises ValueError naming the numbers."""
     if not isinstance(tp, int) or tp < 1:

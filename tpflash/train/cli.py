@@ -35,8 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if print_only:
         print(to_yaml(cfg), end="")
         return 0
-    import torch.distributed as dist
-
+    from ..parallel import shutdown
     from .loop import Trainer
     trainer = Trainer(cfg)
     try:
@@ -47,8 +46,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"--- sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}) ---\n{text}\n---",
                       flush=True)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        del trainer  # its model holds the process groups: shutdown() frees them while the interpreter is whole
+        shutdown()
     return 0
 
 
