@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tpflash.train.build import plan_batches
-from tpflash.train.config import TrainConfig, TrainSection, load_yaml, parse_args
+from tpflash.train.config import TrainConfig, TrainSection, check_values, load_yaml, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +35,26 @@ def test_yaml_is_read_then_overridden(tmp_path):
 def test_bad_command_line_names_the_key(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_args(args)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train.lr=-1"], "'train.lr': -1.0 must be > 0"),
+    (["--train.steps=-3"], "'train.steps': -3 must be >= 0"),
+    (["--train.beta2=1.5"], "'train.beta2': 1.5 must be in [0, 1)"),
+    (["--log.interval=0"], "'log.interval': 0 must be >= 1"),
+    (["--checkpoint.keep=-1"], "'checkpoint.keep': -1 must be >= 0"),
+])
+def test_values_outside_their_range_name_the_key_and_the_rule(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args(args)
+
+
+def test_configs_built_in_code_are_checked_too():
+    cfg = TrainConfig()
+    check_values(cfg)  # the defaults are valid
+    cfg.train.clip = -1.0
+    with pytest.raises(ValueError, match=re.escape("'train.clip': -1.0 must be >= 0")):
+        check_values(cfg)
 
 
 def test_unknown_yaml_key_names_file_and_key(tmp_path):

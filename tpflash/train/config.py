@@ -81,7 +81,7 @@ class CheckpointSection:
 
     dir: str = ""
     interval: int = 0  # 0: only at the end
-    keep: int = 3
+    keep: int = 3  # the newest `keep` checkpoints stay; 0 keeps every one
     resume: bool = True
     async_save: bool = False  # periodic saves return once tensors are in host memory (the last one waits)
 
@@ -214,11 +214,44 @@ def set_value(cfg: TrainConfig, key: str, value: Any) -> None:
     setattr(target, leaf, _checked(full, _coerce(value, hint, full)))
 
 
+def _at_least(low):
+    return (lambda v: v >= low), f"must be >= {low}"
+
+
+_POSITIVE = ((lambda v: v > 0), "must be > 0")
+_FRACTION = ((lambda v: 0 <= v < 1), "must be in [0, 1)")
+# numeric fields whose values outside these ranges would train nonsense silently (steps=-3 runs no
+# step) or fail deep inside torch; tp and dp are checked against the world size by check_layout
+_RANGES = {
+    "train.steps": _at_least(0), "train.batch_size": _at_least(1), "train.micro_batch_size": _at_least(0),
+    "train.grad_accum": _at_least(0), "train.lr": _POSITIVE, "train.min_lr": _at_least(0),
+    "train.warmup_steps": _at_least(0), "train.decay_steps": _at_least(0), "train.weight_decay": _at_least(0),
+    "train.beta1": _FRACTION, "train.beta2": _FRACTION, "train.eps": _POSITIVE, "train.clip": _at_least(0),
+    "train.eval_interval": _at_least(0), "train.eval_batches": _at_least(0),
+    "data.max_bytes": _at_least(0), "data.seq_len": _at_least(0), "data.eval_fraction": _FRACTION,
+    "checkpoint.interval": _at_least(0), "checkpoint.keep": _at_least(0),
+    "log.interval": _at_least(1), "log.peak_flops": _at_least(0), "log.sample_tokens": _at_least(0),
+}
+
+
 def _checked(key: str, value: Any) -> Any:
+    """`value` if it is allowed for `key` (one of its choices, inside its range), else ValueError."""
     choices = _CHOICES.get(key)
     if choices and value not in choices:
         raise ValueError(f"config key {key!r}: {value!r} is not one of {', '.join(choices)}")
+    if key in _RANGES:
+        allowed, rule = _RANGES[key]
+        if not allowed(value):
+            raise ValueError(f"config key {key!r}: {value!r} {rule}")
     return value
+
+
+def check_values(cfg: TrainConfig) -> None:
+    """Apply the choice and range rules to every field of `cfg`, for configs built in code rather
+    than through set_value (which checks each key as it is set)."""
+    for key in list(_CHOICES) + list(_RANGES):
+        section, _, leaf = key.rpartition(".")
+        _checked(key, getattr(getattr(cfg, section) if section else cfg, leaf))
 
 
 def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:

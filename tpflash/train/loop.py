@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import parallel
 from . import build
 from .fingerprint import job_fingerprint
-from .config import TrainConfig, to_yaml
+from .config import TrainConfig, check_values, to_yaml
 from .data import load_tokens, make_tokenizer, token_format, split_train_eval, unigram_entropy
 from .faults import Fault, StopSignal
 from .gradients import all_reduce_grads_over_dp, clipped_step, global_grad_norm, tp_sharded_param_ids
@@ -31,6 +31,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, config_cls=None, model_cls=None):
         self.cfg = cfg
+        check_values(cfg)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = parallel.check_layout(world, cfg.tp, cfg.dp)
         self.plan = build.plan_batches(cfg.train, dp)
