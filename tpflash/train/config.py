@@ -97,6 +97,7 @@ class LogSection:
     peak_flops: float = 0.0  # per device; 0: 989e12 on CUDA (H100 bf16 dense), none on CPU
     sample_tokens: int = 0  # after training, generate this many tokens from sample_prompt
     sample_prompt: str = "def "
+    trace: str = ""  # START:END: torch.profiler trace of those steps, per rank, in dir/trace/ (tpflash.train.trace)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from .gradients import all_reduce_grads_over_dp, clipped_step, global_grad_norm,
 from .metrics import MetricsWriter, Throughput, check_logging, memory_gb, peak_flops
 from .sampler import GlobalSampler
 from .schedule import WarmupCosine
+from .trace import StepTracer
 
 
 class Trainer:
@@ -239,21 +240,26 @@ class Trainer:
         flops = self.model.flops_per_token(self.seq_len) if hasattr(self.model, "flops_per_token") else 0.0
         meter = Throughput(flops, peak_flops(cfg.log, self.device), self.ps.world_size)
         stop = StopSignal(self.device)
+        tracer = StepTracer(cfg.log.trace, cfg.log.dir, dist.get_rank(), self.device)
         last: Dict[str, float] = {}
         losses = []  # this rank's step losses since the last log line (tensors: no host sync per step)
         try:
             while self.step < cfg.train.steps:
-                result = self.train_step()
+                with tracer.step(self.step + 1):
+                    result = self.train_step()
                 meter.add(self.plan.batch_size * self.seq_len)
                 losses.append(result["loss"])
                 self.fault.after_step(self.step)
-                if self.step % max(cfg.log.interval, 1) == 0 or self.step == cfg.train.steps:
+                if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                     self.check_finite()
                     last = {"loss": self._dp_mean(torch.stack(losses).mean()), "lr": result["lr"],
                             "grad_norm": result["grad_norm"].item(), "epoch": self.sampler.epoch,
                             **meter.read(), **memory_gb(self.device)}
                     losses = []
                     out.log(self.step, last)
+                if tracer.steps and self.step == tracer.steps[1]:
+                    out.note(f"trace of steps {tracer.steps[0]}-{self.step} written to "
+                             f"{os.path.dirname(tracer.path)}/ (one file per rank; open in ui.perfetto.dev)")
                 if self._is_every(cfg.train.eval_interval):
                     out.log(self.step, {"eval_loss": self.evaluate()}, kind="eval")
                 out.advance(self.step, {"loss": last.get("loss", float("nan"))})
@@ -270,6 +276,7 @@ class Trainer:
             self.save()
             return last
         finally:
+            tracer.close()
             stop.restore()
             out.close()
 

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .config import LogSection
+from .trace import check_trace
 
 H100_BF16_DENSE_FLOPS = 989e12  # per GPU: the default MFU denominator on CUDA
 
@@ -137,7 +138,8 @@ def _has_tqdm() -> bool:
 
 
 def check_logging(cfg: LogSection) -> None:
-    """Raise ValueError now (before any collective) if log.tensorboard=on cannot be honoured."""
+    """Raise ValueError now (before any collective) if log.tensorboard=on or log.trace cannot be honoured."""
+    check_trace(cfg.trace, cfg.dir)
     if cfg.tensorboard == "on":
         try:
             importlib.import_module("torch.utils.tensorboard")
