@@ -89,6 +89,24 @@ def test_resume_at_other_dp_continues_the_uninterrupted_curve(ranks, corpus, sin
     assert_close(got, torch.tensor([loss for loss, _ in single]), "loss curve across the dp change", tol=1e-5)
 
 
+def run_body(cfg):
+    trainer = Trainer(cfg, TinyConfig, TinyLM)
+    last = trainer.run()
+    return trainer.step, last
+
+
+def test_steps_0_resumes_evaluates_and_writes_nothing(ranks, corpus, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    trained_to, trained = ranks(1).run(run_body, tiny_config(corpus, checkpoint={"dir": str(ckpt)}))[0]
+    before = sorted((p.name, p.stat().st_ino, p.stat().st_mtime_ns) for p in ckpt.iterdir())
+    cfg = tiny_config(corpus, train={"steps": 0}, checkpoint={"dir": str(ckpt)})
+    resumed_at, evaluated = ranks(1).run(run_body, cfg)[0]
+    assert trained_to == resumed_at == STEPS
+    assert evaluated == {"eval_loss": trained["eval_loss"]}, "the same weights give the same eval loss"
+    assert sorted((p.name, p.stat().st_ino, p.stat().st_mtime_ns) for p in ckpt.iterdir()) == before, \
+        "no file or step directory was rewritten"
+
+
 def gpt_losses_body(cfg):
     """Like losses_body with tpflash's own GPT; also says whether its blocks were graphed."""
     trainer = Trainer(cfg)
