@@ -7,6 +7,7 @@ import sys
 
 
 def main(argv=None) -> int:
+    """Command line of `python -m tpflash.checkpoint`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m tpflash.checkpoint", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     cons = commands.add_parser("consolidate", help="write one unsharded safetensors file from a checkpoint")

@@ -10,6 +10,7 @@ import torch
 
 
 def to_blob(value: object) -> bytes:
+    """A picklable value as bytes (torch.save), for storing non-tensor state inside a DCP checkpoint."""
     buf = io.BytesIO()
     torch.save(value, buf)
     return buf.getvalue()

@@ -25,10 +25,12 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 def step_dir(root: str, step: int) -> str:
+    """The committed directory of step `step` under `root`."""
     return os.path.join(root, f"{STEP_PREFIX}{step}")
 
 
 def tmp_dir(root: str, step: int) -> str:
+    """Where a save of step `step` is written before the rename commits it."""
     return os.path.join(root, f"{TMP_PREFIX}{STEP_PREFIX}{step}")
 
 
@@ -64,6 +66,7 @@ def latest(root: str) -> Optional[str]:
 
 
 def is_checkpoint_dir(path: str) -> bool:
+    """Whether `path` is one checkpoint (it has a manifest or DCP metadata), not a root of several."""
     return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, ".metadata"))
 
 

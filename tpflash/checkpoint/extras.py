@@ -23,6 +23,7 @@ FORMAT = 1
 
 
 def is_stateful(value: object) -> bool:
+    """Whether `value` has state_dict/load_state_dict (saved through them, restored in place)."""
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
@@ -48,6 +49,8 @@ def _model_class(model: nn.Module) -> str:
 
 
 def meta_for_save(step: int, extras: Dict[str, object], model: nn.Module, layout: Dict[str, int]) -> dict:
+    """The checkpoint's non-tensor record: step, extras (stateful ones as their state_dict), layout,
+    model config and torch version."""
     stateful = sorted(name for name, value in extras.items() if is_stateful(value))
     values = {name: (value.state_dict() if name in stateful else value) for name, value in extras.items()}
     return {"format": FORMAT, "step": step, "extras": values, "stateful": stateful, "layout": layout,

@@ -25,6 +25,7 @@ class CheckpointCorruptError(RuntimeError):
 
 
 def file_sha256(path: str) -> str:
+    """The sha256 hex digest of a file, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_CHUNK), b""):
@@ -33,6 +34,7 @@ def file_sha256(path: str) -> str:
 
 
 def hash_files(directory: str, names: List[str]) -> FileHashes:
+    """{name: {"bytes", "sha256"}} of the named files in `directory`."""
     return {n: {"bytes": os.path.getsize(os.path.join(directory, n)), "sha256": file_sha256(os.path.join(directory, n))}
             for n in names}
 
@@ -61,6 +63,8 @@ def complete_manifest(directory: str, gathered: List[FileHashes]) -> FileHashes:
 
 
 def write_manifest(directory: str, entries: FileHashes, info: Optional[dict] = None) -> None:
+    """Write the manifest of `entries` (and `info`) into `directory` atomically: a temporary file,
+    fsync'd, then renamed."""
     path = os.path.join(directory, MANIFEST)
     with open(path + ".tmp", "w") as f:
         json.dump({"format": "tpflash-checkpoint-1", "files": entries, **(info or {})}, f, indent=1, sort_keys=True)

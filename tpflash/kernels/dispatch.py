@@ -43,6 +43,7 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def triton_available() -> bool:
+    """Whether Triton can be imported here."""
     try:
         importlib.import_module("triton")
     except ImportError:

@@ -143,11 +143,13 @@ class AttnGeometry:
         return (0,) + tuple(t.stride()[:2]) if self.varlen else tuple(t.stride()[:3])
 
     def new_lse(self, q):
+        """An empty fp32 log-sum-exp buffer: [batch, heads, seq], or [heads, total tokens] when packed."""
         if self.varlen:
             return torch.empty(self.heads_q, self.seq_q, device=q.device, dtype=torch.float32)
         return torch.empty(self.batch, self.heads_q, self.seq_q, device=q.device, dtype=torch.float32)
 
     def lse_strides(self, lse):
+        """(batch, head) strides of the log-sum-exp buffer; batch stride 0 when packed."""
         return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
 
     def bucket(self, n):
@@ -156,6 +158,7 @@ class AttnGeometry:
 
 
 def attention_forward(q, k, v, causal, scale, geo: AttnGeometry):
+    """Launch the forward kernel: (out shaped like q, fp32 log-sum-exp per query row)."""
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = geo.new_lse(q)
     grid = lambda meta: (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.batch * geo.heads_q)  # noqa: E731
@@ -167,6 +170,9 @@ def attention_forward(q, k, v, causal, scale, geo: AttnGeometry):
 
 
 class FlashAttention(torch.autograd.Function):
+    """softmax(q k^T * scale) v with the Triton kernels; returns (out, lse), lse not differentiable.
+    q [b, s, h, d] (or packed [tokens, h, d] with cu_seqlens), k/v with h/groups heads (GQA)."""
+
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, cu_seqlens, max_seqlen):
         geo = AttnGeometry(q, k, cu_seqlens, max_seqlen)

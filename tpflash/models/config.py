@@ -90,14 +90,17 @@ class GPTConfig:
 
     @property
     def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head (GQA/MQA), else n_head."""
         return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
     def head_dim(self) -> int:
+        """n_embd / n_head."""
         return self.n_embd // self.n_head
 
     @property
     def ffn_dim(self) -> int:
+        """The MLP's hidden width: ffn_hidden, else 4 * n_embd (gelu) or 8/3 * n_embd rounded up to 256 (swiglu)."""
         if self.ffn_hidden is not None:
             return self.ffn_hidden
         if self.mlp == "swiglu":
@@ -127,4 +130,5 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> Dict[str, Any]:
+        """The fields as a plain dict (saved with checkpoints; GPTConfig(**d) rebuilds it)."""
         return dataclasses.asdict(self)

@@ -81,6 +81,7 @@ class GPT(nn.Module):
     # ---- shapes -------------------------------------------------------------------------------
     @property
     def tp(self) -> int:
+        """The size of the model's tp group (1 without one)."""
         return group_size(self.process_group)
 
     @property

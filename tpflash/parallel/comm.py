@@ -42,6 +42,7 @@ class PendingCollective:
         self._work, self._result, self._finish = work, result, finish
 
     def wait(self) -> torch.Tensor:
+        """Wait for the collective (on CUDA the current stream waits, on CPU the host) and return its result."""
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -126,14 +127,18 @@ def reduce_scatter_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> Pend
 
 
 def all_reduce(x, group):
+    """Sum of `x` over `group` (a new tensor; not autograd-aware: see reduce_from_tp_region)."""
     return all_reduce_async(x, group).wait()
 
 
 def all_gather(x, dim, group):
+    """Every rank's `x` concatenated along `dim` in rank order (not autograd-aware). [.., n, ..] -> [.., world*n, ..]"""
     return all_gather_async(x, dim, group).wait()
 
 
 def reduce_scatter(x, dim, group):
+    """The sum of `x` over `group`, this rank's chunk along `dim` (not autograd-aware).
+    [.., world*n, ..] -> [.., n, ..]"""
     return reduce_scatter_async(x, dim, group).wait()
 
 

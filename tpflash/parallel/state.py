@@ -40,18 +40,22 @@ class ParallelState:
 
     @property
     def tp_mesh(self) -> DeviceMesh:
+        """The 1-D sub-mesh over this rank's tp group (where the DTensor parameters live)."""
         return self.mesh["tp"]
 
     @property
     def dp_mesh(self) -> DeviceMesh:
+        """The 1-D sub-mesh over this rank's dp group (what FSDP shards over)."""
         return self.mesh["dp"]
 
     @property
     def rank(self) -> int:
+        """This process's global rank."""
         return dist.get_rank()
 
     @property
     def world_size(self) -> int:
+        """dp_size * tp_size: every process of the job."""
         return self.dp_size * self.tp_size
 
     def __repr__(self) -> str:

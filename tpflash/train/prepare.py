@@ -97,6 +97,7 @@ def prepare(out: str, paths: Sequence[str], tokenizer: str = "byte", include: Se
 
 
 def main(argv=None) -> int:
+    """Command line of `python -m tpflash.train.prepare`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m tpflash.train.prepare", description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the token file: .bin or .u16 (uint16), .u32 (uint32)")
     parser.add_argument("paths", nargs="+", help="text files, directories or globs (@stdlib: Python's own sources)")
