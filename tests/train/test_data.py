@@ -34,6 +34,13 @@ def test_token_files_are_memmapped_by_extension(tmp_path, dtype, ext):
     assert held.tokens[0] == 900  # the tail is held out
 
 
+def test_a_missing_token_file_names_it_and_how_to_make_one(tmp_path):
+    missing = str(tmp_path / "train.bin")
+    with pytest.raises(ValueError, match=r"needs exactly one existing token file, got data.path=\[.*train.bin'\]; "
+                       r"make one from text with `python -m tpflash.train.prepare OUT.bin TEXT_PATHS... --tokenizer gpt2`"):
+        load_tokens(DataConfig(path=[missing], tokenizer="gpt2"), None)
+
+
 def test_local_hugging_face_tokenizer_is_used_when_named(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")

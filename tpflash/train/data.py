@@ -117,7 +117,9 @@ def load_tokens(cfg: DataConfig, tokenizer) -> np.ndarray:
     fmt = token_format(cfg)
     if fmt in ("uint16", "uint32"):
         if len(cfg.path) != 1 or not os.path.isfile(cfg.path[0]):
-            raise ValueError(f"data.format={fmt} needs exactly one existing token file, got data.path={cfg.path}")
+            raise ValueError(f"data.format={fmt} needs exactly one existing token file, got data.path={cfg.path}; "
+                             f"make one from text with `python -m tpflash.train.prepare OUT.bin TEXT_PATHS... "
+                             f"--tokenizer {cfg.tokenizer}`")
         tokens = np.memmap(cfg.path[0], dtype=np.dtype(fmt), mode="r")
         if cfg.max_bytes:
             tokens = tokens[: cfg.max_bytes // tokens.itemsize]
