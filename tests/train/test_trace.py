@@ -1,4 +1,6 @@
 """`log.trace=START:END`: a torch.profiler chrome trace of exactly those steps, one file per rank."""
+import contextlib
+import io
 import json
 import os
 import re
@@ -37,7 +39,11 @@ def test_the_trace_option_is_a_config_key():
 
 
 def traced_run_body(cfg):
-    Trainer(cfg, TinyConfig, TinyLM).run()
+    """Run the trainer; returns what rank 0 printed (the ranks are pooled processes: capfd misses them)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        Trainer(cfg, TinyConfig, TinyLM).run()
+    return printed.getvalue()
 
 
 def _step_marks(path):
@@ -61,6 +67,15 @@ def test_each_rank_writes_a_trace_of_exactly_the_chosen_steps(ranks, tmp_path):
 def test_a_run_that_ends_inside_the_range_still_writes_its_trace(ranks, tmp_path):
     log_dir = tmp_path / "log"
     cfg = tiny_config(write_corpus(str(tmp_path)), log={"dir": str(log_dir), "trace": "5:9"})  # the run has 6 steps
-    ranks(1).run(traced_run_body, cfg)
+    printed = ranks(1).run(traced_run_body, cfg)[0]
     marks, _ = _step_marks(os.path.join(log_dir, "trace", "rank0.json"))
     assert marks == ["train_step 5", "train_step 6"]
+    assert "trace of steps 5-6 written to" in printed
+
+
+def test_a_range_the_run_never_reaches_is_reported(ranks, tmp_path):
+    log_dir = tmp_path / "log"
+    cfg = tiny_config(write_corpus(str(tmp_path)), log={"dir": str(log_dir), "trace": "20:22"})  # 6 steps
+    printed = ranks(1).run(traced_run_body, cfg)[0]
+    assert "log.trace=20:22: no step of that range ran; nothing was traced" in printed
+    assert not (log_dir / "trace").exists()

@@ -240,7 +240,7 @@ class Trainer:
         flops = self.model.flops_per_token(self.seq_len) if hasattr(self.model, "flops_per_token") else 0.0
         meter = Throughput(flops, peak_flops(cfg.log, self.device), self.ps.world_size)
         stop = StopSignal(self.device)
-        tracer = StepTracer(cfg.log.trace, cfg.log.dir, dist.get_rank(), self.device)
+        tracer = StepTracer(cfg.log.trace, cfg.log.dir, dist.get_rank(), self.device, note=out.note)
         last: Dict[str, float] = {}
         losses = []  # this rank's step losses since the last log line (tensors: no host sync per step)
         try:
@@ -257,9 +257,7 @@ class Trainer:
                             **meter.read(), **memory_gb(self.device)}
                     losses = []
                     out.log(self.step, last)
-                if tracer.steps and self.step == tracer.steps[1]:
-                    out.note(f"trace of steps {tracer.steps[0]}-{self.step} written to "
-                             f"{os.path.dirname(tracer.path)}/ (one file per rank; open in ui.perfetto.dev)")
+                tracer.after_step(self.step)
                 if self._is_every(cfg.train.eval_interval):
                     out.log(self.step, {"eval_loss": self.evaluate()}, kind="eval")
                 out.advance(self.step, {"loss": last.get("loss", float("nan"))})

@@ -37,17 +37,19 @@ def check_trace(spec: str, log_dir: str) -> None:
 
 
 class StepTracer:
-    """Runs torch.profiler over steps [first, last] of a run and writes this rank's trace."""
+    """Runs torch.profiler over steps [first, last] of a run and writes this rank's trace; says so
+    through `note` (a function taking one line, e.g. MetricsWriter.note)."""
 
-    def __init__(self, spec: str, log_dir: str, rank: int, device: torch.device):
+    def __init__(self, spec: str, log_dir: str, rank: int, device: torch.device, note=print):
         self.steps = parse_trace_steps(spec)
         self.path = os.path.join(log_dir, "trace", f"rank{rank}.json")
-        self.device = device
+        self.device, self.note = device, note
+        self.last_traced = 0  # the last step run under the profiler (0: none)
         self._profiler = None
 
     def step(self, step: int):
-        """A context for running step `step` (1-based): starts the profiler at the first traced step,
-        marks the step in the trace, and stops and writes the trace after the last one."""
+        """A context for running step `step` (1-based): starts the profiler at the first traced step
+        and marks the step in the trace."""
         if self.steps is None or not self.steps[0] <= step <= self.steps[1]:
             return contextlib.nullcontext()
         if self._profiler is None:
@@ -56,19 +58,20 @@ class StepTracer:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=activities)
             self._profiler.__enter__()
-        return self._marked(step)
+        self.last_traced = step
+        return torch.profiler.record_function(f"train_step {step}")
 
-    @contextlib.contextmanager
-    def _marked(self, step: int):
-        with torch.profiler.record_function(f"train_step {step}"):
-            yield
-        if step == self.steps[1]:
+    def after_step(self, step: int) -> None:
+        """Call after step `step` and its logging: writes the trace after the range's last step."""
+        if self.steps is not None and step == self.steps[1]:
             self.close()
 
     def close(self) -> Optional[str]:
         """Stop the profiler if it runs (also when the run ends inside the traced steps) and write
-        the trace atomically; returns its path, or None when nothing was traced."""
+        the trace atomically; returns its path, or None when nothing was traced (and says why)."""
         if self._profiler is None:
+            if self.steps is not None and not self.last_traced:
+                self.note(f"log.trace={self.steps[0]}:{self.steps[1]}: no step of that range ran; nothing was traced")
             return None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the traced steps' kernels finish inside the trace
@@ -78,4 +81,6 @@ class StepTracer:
         tmp = f"{self.path}.tmp"
         profiler.export_chrome_trace(tmp)
         os.replace(tmp, self.path)
+        self.note(f"trace of steps {self.steps[0]}-{self.last_traced} written to {os.path.dirname(self.path)}/ "
+                  "(one file per rank; open in ui.perfetto.dev)")
         return self.path
