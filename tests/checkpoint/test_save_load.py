@@ -93,6 +93,21 @@ def test_optimizer_state_is_keyed_by_parameter_name(tmp_path):
         assert torch.equal(got[key], value), key
 
 
+def test_loading_restores_hyperparameters_but_keeps_the_optimizers_own_kernels(tmp_path):
+    model, optimizer = _trained()  # foreach AdamW (the CPU default), weight_decay 0.1
+    tpflash.checkpoint.save(tmp_path, model, optimizer, step=2)
+    fresh = build(seed=1, tp=False)
+    fused = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.5, fused=True)  # as a GPU run builds it
+    tpflash.checkpoint.load(tmp_path, fresh, fused)
+    group = fused.param_groups[0]
+    assert group["fused"] is True and not group["foreach"], "a checkpoint must not turn the fused kernels off"
+    assert group["weight_decay"] == 0.1, "hyper-parameters come back as torch's load_state_dict gives them"
+    expected, got = full_state(model, optimizer), full_state(fresh, fused)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    train(fresh, fused, range(2, 3))  # and the fused kernel runs on the loaded state
+
+
 def test_keep_k_keeps_only_the_newest_checkpoints(tmp_path):
     model, optimizer = _trained(0)
     for step in (10, 20, 30, 40):

@@ -107,6 +107,22 @@ def test_steps_0_resumes_evaluates_and_writes_nothing(ranks, corpus, tmp_path):
         "no file or step directory was rewritten"
 
 
+def optimizer_settings_body(cfg):
+    trainer = Trainer(cfg, TinyConfig, TinyLM)
+    group = trainer.optimizer.param_groups[0]
+    return trainer.changed_settings, group["weight_decay"], group["betas"], group["lr"] == trainer.schedule.lr
+
+
+def test_a_resumed_run_takes_its_optimizer_settings_from_the_config(ranks, corpus, tmp_path):
+    ckpt = {"dir": str(tmp_path / "ckpt")}
+    ranks(1).run(run_body, tiny_config(corpus, checkpoint=ckpt, train={"weight_decay": 0.1}))
+    cfg = tiny_config(corpus, checkpoint=ckpt, train={"steps": 8, "weight_decay": 0.3, "beta2": 0.9})
+    changed, weight_decay, betas, lr_from_schedule = ranks(1).run(optimizer_settings_body, cfg)[0]
+    assert (weight_decay, betas) == (0.3, (0.9, 0.9)), "the checkpoint's settings must not override the config"
+    assert changed == ["weight_decay: 0.1 -> 0.3", "betas: (0.9, 0.95) -> (0.9, 0.9)"]
+    assert lr_from_schedule, "the lr stays the schedule's at the resumed step"
+
+
 def gpt_losses_body(cfg):
     """Like losses_body with tpflash's own GPT; also says whether its blocks were graphed."""
     trainer = Trainer(cfg)

@@ -197,7 +197,9 @@ def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     """Load a checkpoint (a step directory, or root's latest) into `model` (and `optimizer`) at any (dp, tp).
 
     Verifies every file's checksum first (CheckpointCorruptError on every rank, naming the
-    file). Extras passed by name are restored in place; returns {"step": ..., other extras}.
+    file). The optimizer gets its state and its saved hyper-parameters (as torch's load_state_dict
+    gives them), but keeps its own fused/foreach/capturable/differentiable settings: they belong
+    to the device it runs on. Extras passed by name are restored in place; returns {"step": ..., other extras}.
     RNG states are restored when the world size equals the saving one. Call on every rank.
     """
     root = os.fspath(root)

@@ -21,6 +21,9 @@ from .layout import MODEL_PREFIX, TensorSlot
 
 STATE_PREFIX = "optim.state."
 GROUPS_KEY = "optim.param_groups"
+# how this process runs its optimizer, not training state: loading keeps the optimizer's own values,
+# so that a checkpoint saved with foreach kernels on CPU does not turn off a GPU run's fused ones
+RUNTIME_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> List[List[str]]:
@@ -109,7 +112,9 @@ def load_targets(model: nn.Module, optimizer: torch.optim.Optimizer, model_slots
 
 def apply_loaded(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: Dict[str, object],
                  pending: list) -> None:
-    """Rebuild an index-keyed optimizer state dict from loaded entries and hand it to `load_state_dict`."""
+    """Rebuild an index-keyed optimizer state dict from loaded entries and hand it to `load_state_dict`.
+    The saved hyper-parameters (lr, betas, weight_decay, ...) are restored, as torch's own
+    load_state_dict does; the RUNTIME_KEYS stay this optimizer's."""
     groups = _param_names(model, optimizer)
     saved_groups = from_blob(loaded[GROUPS_KEY])
     if len(saved_groups) != len(groups) or any(set(s["params"]) != set(g) for s, g in zip(saved_groups, groups)):
@@ -126,6 +131,7 @@ def apply_loaded(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: Dic
                 value = DTensor.from_local(buffer, slot.target.device_mesh, slot.target.placements, run_check=False,
                                            shape=slot.target.shape, stride=slot.target.stride())
         state.setdefault(index[name], {})[k] = value
-    param_groups = [{**{k: v for k, v in s.items() if k != "params"}, "params": [index[n] for n in g]}
-                    for s, g in zip(saved_groups, groups)]
+    param_groups = [{**{k: v for k, v in s.items() if k != "params"},
+                     **{k: now[k] for k in RUNTIME_KEYS if k in now}, "params": [index[n] for n in g]}
+                    for s, g, now in zip(saved_groups, groups, optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -115,6 +115,24 @@ def make_optimizer(model: nn.Module, cfg: TrainSection, device: torch.device) ->
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"fused": True} if fused else {}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:
+    """Each param group's settings but its parameters and lr (which the schedule sets every step)."""
+    return [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
+
+
+def restore_optimizer_settings(optimizer: torch.optim.Optimizer, settings: List[Dict[str, Any]]) -> List[str]:
+    """Put `settings` (from optimizer_settings) back into the param groups after a checkpoint load
+    replaced them; returns "key: saved -> now" for each setting that differed."""
+    changed = []
+    for group, values in zip(optimizer.param_groups, settings):
+        for key, value in values.items():
+            line = f"{key}: {group.get(key)!r} -> {value!r}"
+            if group.get(key) != value and line not in changed:
+                changed.append(line)
+        group.update(values)
+    return changed
 
 
 def use_fsdp(cfg: TrainConfig, dp: int) -> bool:

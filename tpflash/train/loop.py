@@ -58,6 +58,7 @@ class Trainer:
         # the first step whose gradient norm was not finite (-1: none): kept on the device, so that no
         # step waits for the GPU; read where the loop syncs anyway (log steps) and before every save
         self._first_nonfinite = torch.full((), -1, dtype=torch.int64, device=self.device)
+        self.changed_settings = []  # the optimizer settings the config changed against the checkpoint
         self.resumed_from = self._resume()
         # after loading: the graphs replay on the parameter tensors they were captured with
         self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device)
@@ -108,7 +109,9 @@ class Trainer:
             return None
         from .. import checkpoint
         ck = self.cfg.checkpoint
+        configured = build.optimizer_settings(self.optimizer)  # the config's; the checkpoint gives moments and step
         info = checkpoint.load(ck.dir, self.model, self.optimizer, scheduler=self.schedule, data=self.sampler)
+        self.changed_settings = build.restore_optimizer_settings(self.optimizer, configured)
         self.step = self._saved_step = int(info["step"])
         if self.schedule.step_count != self.step:
             raise ValueError(f"checkpoint step {self.step} disagrees with its scheduler step {self.schedule.step_count}")
@@ -228,6 +231,8 @@ class Trainer:
             saved = f" saved at tp={info.get('saved_tp', '?')} dp={info.get('saved_dp', '?')}" if info else ""
             out.note(f"resumed from {self.cfg.checkpoint.dir} at step {self.step}{saved}; continuing at "
                      f"tp={ps.tp_size} dp={ps.dp_size}")
+            if self.changed_settings:
+                out.note(f"optimizer settings from this config, not the checkpoint: {'; '.join(self.changed_settings)}")
 
     def _is_every(self, interval: int) -> bool:
         return interval > 0 and self.step % interval == 0 and self.step < self.cfg.train.steps
