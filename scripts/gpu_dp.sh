@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# At dp > 1, which is faster: FSDP (the default, fsdp=auto; it turns the CUDA graphs off, so the blocks
-# run eagerly) or fsdp=off (the graphs stay on; the gradients are all-reduced over dp once per step)?
+# At dp > 1, which is faster: FSDP (fsdp=on; it turns the CUDA graphs off, so the blocks run eagerly)
+# or fsdp=off (the graphs stay on; the gradients are all-reduced over dp once per step; what fsdp=auto
+# picks where the replicated state fits in half the device)?
 # The trainer on 4 GPUs (nvidia-h200-x4) at tp=2 dp=2, gpt-1.3b, 4 x 2048 tokens per rank and step,
 # byte-level text with the 50304 vocabulary; each layout for $STEPS steps (default 40), logged every 10:
 #   OUT=<dir> bash scripts/gpu_dp.sh [extra trainer overrides]
 # Prints the layout line and the [train] lines of each run, tagged; metrics under $OUT/dp_<tag>.
-# Not yet run: the sessions so far had no machine with more than two GPUs (docs/training.md, GPU notes).
+# Not yet run on four GPUs (none has been lent); NPROC=1 TP=1 runs both on one GPU (docs/performance.md,
+# fourteenth session).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 NPROC=${NPROC:-4}

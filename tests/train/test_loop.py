@@ -135,11 +135,13 @@ def _gpt_config(corpus, cuda_graphs):
                        model={"preset": "gpt2-tiny", "n_layer": 2, "n_embd": 32, "sequence_parallel": True})
 
 
-def test_cuda_graphs_on_trains_like_off(ranks, corpus):
+@pytest.mark.parametrize("world", [2, 4], ids=["dp1", "dp2"])
+def test_cuda_graphs_on_trains_like_off(ranks, corpus, world):
     # on CPU the graphs are the eager stand-in: this checks the trainer's capture (after resume,
-    # under its autocast, at the micro-batch shape) and its accumulation over micro-batches
-    on, graphed = ranks(2).run(gpt_losses_body, _gpt_config(corpus, "on"))[0]
-    off, plain = ranks(2).run(gpt_losses_body, _gpt_config(corpus, "off"))[0]
+    # under its autocast, at the micro-batch shape), its accumulation over micro-batches, and at dp=2
+    # (fsdp=auto replicates this model) the gradients' all-reduce over dp between replays
+    on, graphed = ranks(world).run(gpt_losses_body, _gpt_config(corpus, "on"))[0]
+    off, plain = ranks(world).run(gpt_losses_body, _gpt_config(corpus, "off"))[0]
     assert graphed and not plain
     assert_close(torch.tensor(on), torch.tensor(off), "loss curve with cuda_graphs=on", tol=1e-6)
 

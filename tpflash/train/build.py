@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -135,9 +136,47 @@ def restore_optimizer_settings(optimizer: torch.optim.Optimizer, settings: List[
     return changed
 
 
-def use_fsdp(cfg: TrainConfig, dp: int) -> bool:
-    """FSDP over dp: fsdp=on, or fsdp=auto with dp > 1."""
-    return cfg.fsdp == "on" or (cfg.fsdp == "auto" and dp > 1)
+# fp32 weight, fp32 gradient and AdamW's two fp32 moments: what every dp rank holds without FSDP
+REPLICATED_BYTES_PER_PARAM = 16
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory the run's tensors live in: the GPU's, or the host's RAM for CPU runs."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def agreed_fsdp_inputs(model: nn.Module, ps) -> Tuple[int, int]:
+    """(parameters a rank holds after tp, device memory in bytes) for fsdp_choice: the largest count
+    and the smallest memory over all ranks (one all-reduce), so that every rank makes the same
+    choice even on mixed machines. Collective at dp > 1."""
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    memory = device_memory(ps.device)
+    if ps.dp_size == 1:
+        return local, memory
+    both = torch.tensor([local, -memory], dtype=torch.int64, device=ps.device)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+    return int(both[0]), -int(both[1])
+
+
+def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[bool, str]:
+    """(shard over dp with FSDP?, why: "" when set explicitly) for fsdp=on/off/auto.
+
+    auto: FSDP only at dp > 1 when the replicated state (16 bytes per parameter a rank holds after
+    tp) would take more than half of `memory`. Below that, replicating it is faster: on one H100,
+    FSDP cost gpt-1.3b 36-44% of its tokens/s even at dp=1, and at tp > 1 it also turns the CUDA
+    graphs off (docs/performance.md, fourteenth session). Every rank must pass the same numbers
+    (agreed_fsdp_inputs), so that all choose alike."""
+    if setting != "auto":
+        return setting == "on", ""
+    if dp == 1:
+        return False, " (auto: dp=1)"
+    state = REPLICATED_BYTES_PER_PARAM * local_params
+    where = f"weights, gradients and AdamW state {state / 2**30:.2f} GiB per rank, device {memory / 2**30:.0f} GiB"
+    if 2 * state > memory:
+        return True, f" (auto: {where}: more than half)"
+    return False, f" (auto: {where}: replicated over dp, gradients all-reduced)"
 
 
 def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device) -> Tuple[bool, str]:

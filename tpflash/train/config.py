@@ -103,7 +103,8 @@ class LogSection:
 @dataclass
 class TrainConfig:
     """Everything `python -m tpflash.train` needs. dtype: "auto" (bf16 autocast on CUDA, fp32 on
-    CPU), "bf16" or "fp32". fsdp: "auto" (FSDP over dp when dp > 1), "on", "off". cuda_graphs:
+    CPU), "bf16" or "fp32". fsdp: "auto" (FSDP over dp when dp > 1 and the
+    replicated optimizer state would fill more than half the device: tpflash.train.build.fsdp_choice), "on", "off". cuda_graphs:
     "auto" (replay the model's blocks as CUDA graphs on CUDA at tp > 1 when the model allows it:
     no FSDP, dropout 0, no activation checkpointing), "on" (also at tp=1; an error if not
     allowed), "off"."""

@@ -91,7 +91,7 @@ class Trainer:
             from ..models.hf import load_hf_weights
             load_hf_weights(self.model, self.init_from)
         self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
-        self.fsdp = build.use_fsdp(self.cfg, dp)
+        self.fsdp, self.fsdp_why = build.fsdp_choice(self.cfg.fsdp, dp, *build.agreed_fsdp_inputs(self.model, self.ps))
         if self.fsdp:
             parallel.apply_fsdp(self.model, self.ps)
             self.sharded_ids = tp_sharded_param_ids(self.model)
@@ -217,7 +217,7 @@ class Trainer:
         params = self.model.num_params() if hasattr(self.model, "num_params") else \
             sum(p.numel() for p in self.model.parameters())
         out.note(f"layout: tp={ps.tp_size} dp={ps.dp_size} (world {ps.world_size}, {self.device.type}), "
-                 f"fsdp={'on' if self.fsdp else 'off'}, compute dtype {self.amp_dtype or torch.float32}, "
+                 f"fsdp={'on' if self.fsdp else 'off'}{self.fsdp_why}, compute dtype {self.amp_dtype or torch.float32}, "
                  f"cuda graphs {self.cuda_graphs_why}")
         out.note(f"model: {params / 1e6:.2f}M parameters, seq {self.seq_len}; batch {plan.batch_size} = dp {plan.dp}"
                  f" x accum {plan.grad_accum} x micro {plan.micro}; {len(self.train_data)} train / "
