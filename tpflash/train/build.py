@@ -165,7 +165,7 @@ def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[
 
     auto: FSDP only at dp > 1 when the replicated state (16 bytes per parameter a rank holds after
     tp) would take more than half of `memory`. Below that, replicating it is faster: on one H100,
-    FSDP cost gpt-1.3b 36-44% of its tokens/s even at dp=1, and at tp > 1 it also turns the CUDA
+    FSDP cost gpt-1.3b 36-43% of its tokens/s even at dp=1, and at tp > 1 it also turns the CUDA
     graphs off (docs/performance.md, fourteenth session). Every rank must pass the same numbers
     (agreed_fsdp_inputs), so that all choose alike."""
     if setting != "auto":
