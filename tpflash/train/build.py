@@ -141,10 +141,14 @@ REPLICATED_BYTES_PER_PARAM = 16
 
 
 def device_memory(device: torch.device) -> int:
-    """Bytes of memory the run's tensors live in: the GPU's, or the host's RAM for CPU runs."""
+    """Bytes of memory the run's tensors live in: the GPU's, or the host's RAM for CPU runs (0 where
+    the platform does not say, which makes fsdp=auto shard at dp > 1)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return 0
 
 
 def agreed_fsdp_inputs(model: nn.Module, ps) -> Tuple[int, int]:
