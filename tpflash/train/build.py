@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .config import TrainConfig, TrainSection
+from .gradients import local_tensor
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def agreed_fsdp_inputs(model: nn.Module, ps) -> Tuple[int, int]:
     """(parameters a rank holds after tp, device memory in bytes) for fsdp_choice: the largest count
     and the smallest memory over all ranks (one all-reduce), so that every rank makes the same
     choice even on mixed machines. Collective at dp > 1."""
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    local = sum(local_tensor(p).numel() for p in model.parameters())
     memory = device_memory(ps.device)
     if ps.dp_size == 1:
         return local, memory

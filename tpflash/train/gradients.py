@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..parallel.sharding import iter_sharded
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The locally held values of a (possibly DTensor) tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -53,7 +53,7 @@ def _sum_of_squares(grads: List[torch.Tensor], device: torch.device) -> torch.Te
     """sum of squares of all `grads` in fp32, a few fused kernels rather than one per tensor."""
     by_kind = {}
     for g in grads:
-        g = _local(g).detach()
+        g = local_tensor(g).detach()
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group in by_kind.values():
@@ -86,7 +86,7 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor, 
     if max_norm <= 0:
         return
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     by_device = {}
     for g in grads:
         by_device.setdefault((g.device, g.dtype), []).append(g)
