@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # At dp > 1, which is faster: FSDP (fsdp=on; it turns the CUDA graphs off, so the blocks run eagerly)
-# or fsdp=off (the graphs stay on; the gradients are all-reduced over dp once per step; what fsdp=auto
+# or fsdp=off (the graphs stay on; DDP all-reduces the gradients over dp once per step; what fsdp=auto
 # picks where the replicated state fits in half the device)?
 # The trainer on 4 GPUs (nvidia-h200-x4) at tp=2 dp=2, gpt-1.3b, 4 x 2048 tokens per rank and step,
 # byte-level text with the 50304 vocabulary; each layout for $STEPS steps (default 40), logged every 10:

@@ -181,7 +181,7 @@ def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[
     where = f"weights, gradients and AdamW state {state / 2**30:.2f} GiB per rank, device {memory / 2**30:.0f} GiB"
     if 2 * state > memory:
         return True, f" (auto: {where}: more than half)"
-    return False, f" (auto: {where}: replicated over dp, gradients all-reduced)"
+    return False, f" (auto: {where}: replicated over dp, gradients all-reduced by DDP)"
 
 
 def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device) -> Tuple[bool, str]:

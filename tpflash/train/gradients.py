@@ -1,4 +1,4 @@
-"""Gradient reduction over dp (when FSDP does not do it) and global-norm clipping over all shards.
+"""Global-norm clipping over all shards (the dp reduction itself is FSDP's or DDP's: tpflash.parallel).
 
 The global norm is the norm of the *full* model's gradient, the same number on every rank:
 tp-sharded parameters (those named in a module's `tp_shard_specs`) contribute their local
@@ -30,23 +30,6 @@ def tp_sharded_param_ids(model: nn.Module) -> Set[int]:
 
 def _grads(model: nn.Module) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
     return [(p, p.grad) for p in model.parameters() if p.grad is not None]
-
-
-def all_reduce_grads_over_dp(model: nn.Module, dp_group: Optional[dist.ProcessGroup]) -> None:
-    """Average plain (non-FSDP) gradients over the dp group, in flat buckets of one dtype."""
-    if dp_group is None or dist.get_world_size(dp_group) == 1:
-        return
-    world = dist.get_world_size(dp_group)
-    by_dtype = {}
-    for _, g in _grads(model):
-        by_dtype.setdefault((g.dtype, g.device), []).append(g)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=dp_group)
-        offset = 0
-        for g in grads:  # the mean is written straight back: no pass of its own over the bucket
-            torch.div(flat[offset: offset + g.numel()].view_as(g), world, out=g)
-            offset += g.numel()
 
 
 def _sum_of_squares(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:

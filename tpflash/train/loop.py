@@ -6,6 +6,7 @@ each global batch (tpflash.train.sampler), and steps its own shards of the optim
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Dict, Optional
 
@@ -19,7 +20,7 @@ from .fingerprint import job_fingerprint
 from .config import TrainConfig, check_values, to_yaml
 from .data import load_tokens, make_tokenizer, token_format, split_train_eval, unigram_entropy
 from .faults import Fault, StopSignal
-from .gradients import all_reduce_grads_over_dp, clipped_step, global_grad_norm, tp_sharded_param_ids
+from .gradients import clipped_step, global_grad_norm, tp_sharded_param_ids
 from .metrics import MetricsWriter, Throughput, check_logging, memory_gb, peak_flops
 from .sampler import GlobalSampler
 from .schedule import WarmupCosine
@@ -65,6 +66,11 @@ class Trainer:
         if self.cuda_graphs:
             with build.autocast(self.device, self.amp_dtype):
                 self.model.capture_cuda_graphs(self.plan.micro, self.seq_len)
+        # replicated over dp: the training forward goes through DDP, whose backward all-reduces the
+        # gradients bucket by bucket as they become ready (None under FSDP or at dp=1)
+        replicated = not self.fsdp and self.ps.dp_size > 1
+        self.ddp = parallel.replicate_over_dp(self.model, self.ps) if replicated else None
+        self._train_forward = self.model if self.ddp is None else self.ddp
 
     def _load_data(self, config_cls) -> None:
         """The tokenizer, the resolved model config, and the train/eval token windows."""
@@ -166,15 +172,12 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i in range(plan.grad_accum):
             x, y = self.train_data.batch(indices[i * plan.micro:(i + 1) * plan.micro])  # [micro, seq] each
-            if self.fsdp and hasattr(self.model, "set_requires_gradient_sync"):
-                self.model.set_requires_gradient_sync(i == plan.grad_accum - 1)
-            with build.autocast(self.device, self.amp_dtype):
-                loss = self.model(self._to_device(x), self._to_device(y))
-            (loss / plan.grad_accum).backward()
+            with self._gradient_sync(i == plan.grad_accum - 1):
+                with build.autocast(self.device, self.amp_dtype):
+                    loss = self._train_forward(self._to_device(x), self._to_device(y))
+                (loss / plan.grad_accum).backward()
             loss_sum += loss.detach().float()
         self.sampler.advance(plan.batch_size)
-        if not self.fsdp:
-            all_reduce_grads_over_dp(self.model, ps.dp_group)
         norm = global_grad_norm(self.model, ps.tp_group, ps.dp_group, self.fsdp, self.sharded_ids)
         first_bad = (self._first_nonfinite < 0) & ~torch.isfinite(norm)
         self._first_nonfinite = torch.where(first_bad, self.step + 1, self._first_nonfinite)
@@ -184,6 +187,15 @@ class Trainer:
         self.schedule.step()
         self.step += 1
         return {"loss": loss_sum / plan.grad_accum, "grad_norm": norm, "lr": lr}
+
+    def _gradient_sync(self, last_micro_batch: bool):
+        """The context of one micro-batch's forward and backward: gradients are reduced over dp only in
+        the last one's backward (FSDP: reduce-scatter; replicated: DDP's all-reduce)."""
+        if self.fsdp and hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(last_micro_batch)
+        if self.ddp is not None and not last_micro_batch:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         value = value.detach().float().clone()
