@@ -6,8 +6,8 @@ Run under torchrun with tp=1 and dp = the number of processes (one GPU each):
     python scripts/bench_dp_reduce.py --models gpt-1.3b    # one GPU: what the reductions' own passes cost
     python scripts/bench_dp_reduce.py --tiny               # CPU/gloo smoke test: never report its timings
 Rows, each for the eager model and for its blocks replayed as CUDA graphs (`-graphs`, CUDA only):
-  ddp    tpflash.parallel.replicate_over_dp: 25 MB buckets all-reduced during the backward, regrouped
-         between the first two steps (rebuild_buckets_between_steps), as the trainer runs it
+  ddp    tpflash.parallel.replicate_over_dp (as the trainer runs it): 25 MB buckets all-reduced during
+         the backward
   flat   after the backward, every gradient concatenated, one all-reduce, divided back (the old way)
   none   no reduction at all (one process only: the floor the two are measured against)
 Timing as in bench_e2e.py (scripts/e2e_timing.py): median of steps between two syncs, and the mean
@@ -53,20 +53,6 @@ class FlatReduceThenStep:
         self.opt.zero_grad(set_to_none=set_to_none)
 
 
-class RebuildAfterZeroGrad:
-    """An optimizer whose zero_grad() then lets DDP regroup its buckets, as the trainer does."""
-
-    def __init__(self, opt: torch.optim.Optimizer, ddp):
-        self.opt, self.ddp = opt, ddp
-
-    def step(self):
-        self.opt.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.opt.zero_grad(set_to_none=set_to_none)
-        tpflash.parallel.rebuild_buckets_between_steps(self.ddp)
-
-
 def measure(model_name: str, variant: str, args, ps) -> dict:
     reduction, graphs = variant.split("-")[0], variant.endswith("-graphs")
     shape = MODELS[model_name]
@@ -85,7 +71,6 @@ def measure(model_name: str, variant: str, args, ps) -> dict:
         forward = model
         if reduction == "ddp":
             forward = tpflash.parallel.replicate_over_dp(model, ps)
-            opt = RebuildAfterZeroGrad(opt, forward)
         elif reduction == "flat":
             opt = FlatReduceThenStep(opt, model.parameters(), ps.dp_group)
         step_s, loss, extra = time_steps(forward, contextlib.nullcontext, opt, args, ps)

@@ -7,7 +7,7 @@ import torch
 from tests.checkpoint.tiny_model import build, full_state, make_optimizer, train
 from tests.distributed.checks import assert_close, init_tp
 from tests.models.reference import assert_grad_close
-from tpflash.parallel import rebuild_buckets_between_steps, replicate_over_dp
+from tpflash.parallel import replicate_over_dp
 
 pytestmark = pytest.mark.cpu_ranks  # the tiny models live on CPU: gloo even where GPUs are visible
 
@@ -103,51 +103,6 @@ def test_cuda_graphed_blocks_under_ddp_train_like_the_eager_gpt_on_one_gpu():
     # one GPU: DDP over a world of 1 still runs its reducer (bucket views filled from the graphs'
     # gradient buffers, no_sync accumulation, zero_grad to None), which is what can differ on CUDA
     graphed_body()
-
-
-def rebuild_body():
-    ps = init_tp(1)
-    model = build(seed=0)
-    ddp = replicate_over_dp(model, ps)
-    optimizer = make_optimizer(model)
-    train(ddp, optimizer, range(1), ps.dp_rank, ps.dp_size)
-    assert rebuild_buckets_between_steps(ddp), "the first step's order did not regroup the buckets"
-    assert not ddp.reducer._rebuild_buckets(), "the next forward would regroup them again"
-    assert not rebuild_buckets_between_steps(ddp)
-    train(ddp, optimizer, range(1, 3), ps.dp_rank, ps.dp_size)  # and training goes on
-
-
-def test_buckets_are_regrouped_between_the_first_two_steps(ranks):
-    ranks(2).run(rebuild_body)
-
-
-def cuda_memory_body(rebuild: bool) -> list:
-    """Peak bytes allocated in each of 3 steps of a small GPT (eager) under a one-rank DDP."""
-    from tests.distributed.test_graphed_blocks import amp, batch, config, twins
-    ps = init_tp(1)
-    model = twins(config(False), ps.device)[0]
-    ddp = replicate_over_dp(model, ps)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    peaks = []
-    for step in range(3):
-        torch.cuda.reset_peak_memory_stats()
-        idx, targets = batch(step, ps.device)
-        with amp(ps.device):
-            loss = ddp(idx, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if rebuild:
-            rebuild_buckets_between_steps(ddp)
-        peaks.append(torch.cuda.max_memory_allocated())
-    return peaks
-
-
-@pytest.mark.gpu
-def test_regrouping_between_steps_keeps_the_second_step_at_the_steady_peak():
-    without, with_rebuild = cuda_memory_body(False), cuda_memory_body(True)
-    assert without[1] > without[2], f"no spike to remove in this set-up: {without}"
-    assert with_rebuild[1] <= with_rebuild[2], f"step 2 peaked above the steady state: {with_rebuild}"
 
 
 def test_a_bucket_size_that_is_not_positive_is_refused():

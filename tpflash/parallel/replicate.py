@@ -45,24 +45,5 @@ def replicate_over_dp(model: nn.Module, ps: ParallelState,
                                    gradient_as_bucket_view=True, **no_buffer_sync)
 
 
-def rebuild_buckets_between_steps(ddp: DistributedDataParallel) -> bool:
-    """Let DDP regroup its buckets by the order of the first backward now, between two steps, rather
-    than at the start of the next forward; True when it did. Call it on every dp rank after the
-    optimizer step and `zero_grad` of each step (after the first it does nothing).
-
-    Why: the regrouping allocates the new buckets before it frees the old, and done in the forward
-    both sets stay alive through that forward's activations: on one H100, gpt-1.3b's second step
-    peaked at 41.8 GiB against 36.9 in every later step (docs/performance.md, fifteenth session).
-    Between steps no activation is alive. It uses DDP's private `reducer._rebuild_buckets` (what its
-    own forward calls); where a torch lacks it, the forward regroups as before."""
-    reducer = getattr(ddp, "reducer", None)
-    if getattr(ddp, "_has_rebuilt_buckets", False) or not hasattr(reducer, "_rebuild_buckets"):
-        return False
-    rebuilt = reducer._rebuild_buckets()  # a broadcast of the new grouping over the dp group
-    if rebuilt:
-        ddp._has_rebuilt_buckets = True
-    return rebuilt
-
-
 _DDP_ARGS = inspect.signature(DistributedDataParallel).parameters
 _BUFFER_SYNC_ARG = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"

@@ -184,8 +184,6 @@ class Trainer:
         lr = self.schedule.lr
         clipped_step(self.optimizer, self.model.parameters(), norm, self.cfg.train.clip)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ddp is not None:
-            parallel.rebuild_buckets_between_steps(self.ddp)
         self.schedule.step()
         self.step += 1
         return {"loss": loss_sum / plan.grad_accum, "grad_norm": norm, "lr": lr}
