@@ -5,14 +5,16 @@ every dp rank holds the same parameters (its tp shards) and the gradients must b
 the dp group before the optimizer step. Done after the backward, that all-reduce is time the GPUs
 spend on nothing else. PyTorch's `DistributedDataParallel` instead all-reduces buckets of ~25 MB
 as their gradients become ready, while the backward goes on computing the earlier layers, and
-with `gradient_as_bucket_view` the gradients live in those buckets (no copy in or out). So the
-replicated path uses it rather than a reducer of its own.
+with `gradient_as_bucket_view` the gradients then live in those buckets (each new gradient is
+copied in once, the divide by dp riding on the copy; no copy back). So the replicated path uses
+it rather than a reducer of its own. The price is memory: the buckets stay allocated between
+steps (docs/performance.md, fifteenth session).
 
 It composes with tensor parallelism because tp parameters are plain local tensors: DDP over
 `ps.dp_group` averages each tp shard with the same shard of its dp peers, and the tp
 collectives inside the model run on their own group. With CUDA-graphed blocks the blocks'
 gradients arrive together, when the graphed backward returns, and DDP's buckets are reduced
-from there: no overlap inside the graphs, but no extra copy either.
+from there: no overlap with the blocks' backward, only with the embedding's.
 """
 from __future__ import annotations
 
