@@ -1,8 +1,8 @@
 """The dp gradient reduction of replicated training: DDP (what the trainer uses) against one flat all-reduce
 after the backward (what it used before the fifteenth session), side by side in one run.
 
-Run under torchrun with tp=1 and dp = the number of processes (one GPU each):
-    torchrun --nproc_per_node=4 scripts/bench_dp_reduce.py --models gpt-1.3b
+Run under torchrun, one GPU per process, dp = processes / --tp:
+    torchrun --nproc_per_node=4 scripts/bench_dp_reduce.py --models gpt-1.3b [--tp 2]
     python scripts/bench_dp_reduce.py --models gpt-1.3b    # one GPU: what the reductions' own passes cost
     python scripts/bench_dp_reduce.py --tiny               # CPU/gloo smoke test: never report its timings
 Rows, each for the eager model and for its blocks replayed as CUDA graphs (`-graphs`, CUDA only):
@@ -56,13 +56,13 @@ class FlatReduceThenStep:
 def measure(model_name: str, variant: str, args, ps) -> dict:
     reduction, graphs = variant.split("-")[0], variant.endswith("-graphs")
     shape = MODELS[model_name]
-    row = dict(model=model_name, variant=variant, dp=ps.dp_size, device=device_name(ps.device))
+    row = dict(model=model_name, variant=variant, tp=ps.tp_size, dp=ps.dp_size, device=device_name(ps.device))
     torch.manual_seed(0)
     if ps.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ps.device)
     try:
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=shape["layers"], n_head=shape["heads"],
-                        n_embd=shape["d"])
+                        n_embd=shape["d"], sequence_parallel=ps.tp_size > 1)
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
         if graphs:
             with torch.autocast(ps.device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
@@ -87,18 +87,19 @@ def measure(model_name: str, variant: str, args, ps) -> dict:
 
 
 def print_table(rows) -> None:
-    print("| model | variant | dp | step ms (synced) | one step ahead ms | host ms | SM MHz | peak GiB |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | variant | tp | dp | step ms (synced) | one step ahead ms | host ms | SM MHz | peak GiB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['variant']} | {r['dp']} | error: {r['error'][:80]} | | | | |")
+            print(f"| {r['model']} | {r['variant']} | {r['tp']} | {r['dp']} | error: {r['error'][:80]} | | | | |")
             continue
-        print(f"| {r['model']} | {r['variant']} | {r['dp']} | {r['step_ms']:.1f} | {r.get('ahead_ms', float('nan')):.1f}"
+        print(f"| {r['model']} | {r['variant']} | {r['tp']} | {r['dp']} | {r['step_ms']:.1f} | {r.get('ahead_ms', float('nan')):.1f}"
               f" | {r['host_ms']:.0f} | {r.get('sm_mhz', float('nan')):.0f} | {r['peak_gib']:.1f} |")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (dp = world size / tp)")
     p.add_argument("--models", default="gpt-1.3b", help=f"comma list of {sorted(MODELS)}")
     p.add_argument("--variants", default=None, help="comma list of ddp, flat, none, each optionally with -graphs "
                                                     "(default: all that apply)")
@@ -118,7 +119,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    ps = tpflash.parallel.init(tp=1)
+    ps = tpflash.parallel.init(tp=args.tp)
     args.dtype = "bf16" if ps.device.type == "cuda" else "fp32"
     args.no_telemetry = args.no_telemetry or ps.device.type != "cuda"
     variants = args.variants.split(",") if args.variants else (

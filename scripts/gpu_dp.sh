@@ -6,8 +6,8 @@
 # byte-level text with the 50304 vocabulary; each layout for $STEPS steps (default 40), logged every 10:
 #   OUT=<dir> bash scripts/gpu_dp.sh [extra trainer overrides]
 # Prints the layout line and the [train] lines of each run, tagged; metrics under $OUT/dp_<tag>.
-# Not yet run on four GPUs (none has been lent); NPROC=1 TP=1 runs both on one GPU (docs/performance.md,
-# fourteenth session).
+# Then scripts/bench_dp_reduce.py at the same layout. Not yet run on four GPUs (none has been lent);
+# NPROC=1 TP=1 runs it all on one GPU (docs/performance.md, fourteenth and fifteenth sessions).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 NPROC=${NPROC:-4}
@@ -21,3 +21,6 @@ for fsdp in on off; do
     --train.eval_batches=1 --checkpoint.dir= --log.interval=10 --log.progress=lines --log.dir="$OUT/dp_fsdp_$fsdp" \
     "$@" 2>&1 | grep -E "^layout|^\[train\]|Error|error" | sed "s/^/fsdp=$fsdp /"
 done
+# The replicated layout's gradient reduction alone: DDP (the trainer's) against one flat all-reduce
+# after the backward, eager and graphed, at the same tp and dp (docs/performance.md, fifteenth session)
+timeout 240 $RUN --nproc_per_node="$NPROC" scripts/bench_dp_reduce.py --models gpt-1.3b --tp="$TP" 2>&1 | grep "^|"
