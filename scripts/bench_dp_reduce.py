@@ -74,8 +74,10 @@ def measure(model_name: str, variant: str, args, ps) -> dict:
         elif reduction == "flat":
             opt = FlatReduceThenStep(opt, model.parameters(), ps.dp_group)
         step_s, loss, extra = time_steps(forward, contextlib.nullcontext, opt, args, ps)
-        peak = torch.cuda.max_memory_allocated(ps.device) / 2 ** 30 if ps.device.type == "cuda" else float("nan")
-        row.update(step_ms=1e3 * step_s, loss=loss, peak_gib=peak, **extra)
+        cuda = ps.device.type == "cuda"  # live tensors' peak, and what the allocator held (graph pools too)
+        peak = torch.cuda.max_memory_allocated(ps.device) / 2 ** 30 if cuda else float("nan")
+        reserved = torch.cuda.max_memory_reserved(ps.device) / 2 ** 30 if cuda else float("nan")
+        row.update(step_ms=1e3 * step_s, loss=loss, peak_gib=peak, reserved_gib=reserved, **extra)
     except Exception as exc:  # one failing row must not kill the table
         row["error"] = describe(exc)
     finally:
@@ -87,14 +89,14 @@ def measure(model_name: str, variant: str, args, ps) -> dict:
 
 
 def print_table(rows) -> None:
-    print("| model | variant | tp | dp | step ms (synced) | one step ahead ms | host ms | SM MHz | peak GiB |")
+    print("| model | variant | tp | dp | step ms (synced) | one step ahead ms | host ms | SM MHz | peak GiB live / reserved |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
             print(f"| {r['model']} | {r['variant']} | {r['tp']} | {r['dp']} | error: {r['error'][:80]} | | | | |")
             continue
         print(f"| {r['model']} | {r['variant']} | {r['tp']} | {r['dp']} | {r['step_ms']:.1f} | {r.get('ahead_ms', float('nan')):.1f}"
-              f" | {r['host_ms']:.0f} | {r.get('sm_mhz', float('nan')):.0f} | {r['peak_gib']:.1f} |")
+              f" | {r['host_ms']:.0f} | {r.get('sm_mhz', float('nan')):.0f} | {r['peak_gib']:.1f} / {r['reserved_gib']:.1f} |")
 
 
 def parse_args(argv=None):
@@ -110,6 +112,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--tiny", action="store_true", help="tiny model, a few steps: a CPU/gloo smoke test")
     args = p.parse_args(argv)
+    unknown = [v for v in (args.variants or "").split(",") if v and v.removesuffix("-graphs") not in ("ddp", "flat", "none")]
+    if unknown:  # before any process group
+        p.error(f"--variants: {unknown} are not ddp, flat or none (each optionally with -graphs)")
     # what e2e_timing.time_steps reads
     args.no_telemetry, args.profile, args.cprofile = False, False, None
     if args.tiny:
