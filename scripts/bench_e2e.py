@@ -1,6 +1,8 @@
 """End-to-end GPT training throughput: tpflash vs plain PyTorch vs PyTorch-native DTensor TP, one table.
 
-Run under torchrun (one process per GPU; tp = --tp, dp = world/tp, FSDP2 over dp when dp > 1):
+Run under torchrun (one process per GPU; tp = --tp, dp = world/tp; at dp > 1 --dp-mode replicate, the
+default, wraps tpflash and plain in DDP as the trainer's fsdp=auto does where the state fits, fsdp
+shards them with FSDP2; dtensor always uses FSDP2 over dp, as torchtitan composes it with TP):
     torchrun --nproc_per_node=2 scripts/bench_e2e.py --tp 2 --models gpt-1.3b,gpt-2.7b
     python scripts/bench_e2e.py --tiny          # CPU/gloo smoke test: never report its timings
 Every implementation trains the same GPT-2-style model (learned positions, LayerNorm, GELU-tanh,
@@ -64,24 +66,31 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=d,
                         sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss)
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
-        if ps.dp_size > 1:  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction on CUDA)
+        if ps.dp_size > 1 and args.dp_mode == "fsdp":  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction)
             tpflash.parallel.apply_fsdp(model, ps)
         on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
         if impl.startswith("tpflash-graphs"):  # the replays pipeline (or not) as the capture did
             with _overlap_setting(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
                                                           enabled=args.dtype == "bf16"):
                 model.capture_cuda_graphs(args.batch, args.seq)
-        return model, lambda idx, tgt: _with_overlap(on, model, idx, tgt), contextlib.nullcontext
+        forward = model
+        if ps.dp_size > 1 and args.dp_mode == "replicate":  # after the capture, as the trainer does
+            forward = tpflash.parallel.replicate_over_dp(model, ps)
+        return model, lambda idx, tgt: _with_overlap(on, forward, idx, tgt), contextlib.nullcontext
     with torch.device(ps.device):
         model = PlainGPT(d, layers, heads, args.vocab, args.seq)
     if impl.startswith("dtensor"):
         model = dtensor_tp(model, ps.tp_mesh)
-    if ps.dp_size > 1:
+    replicate = ps.dp_size > 1 and args.dp_mode == "replicate" and impl.startswith("plain")
+    if ps.dp_size > 1 and not replicate:
         shard_over_dp(model, ps)
     if impl.endswith("compile"):
         compile_blocks(model)
         if impl.startswith("plain"):
             model.head_loss = torch.compile(model.head_loss)
+    if replicate:  # what a plain-PyTorch user writes for a model that fits: DDP over dp
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=ps.dp_group, gradient_as_bucket_view=True)
+        return model, ddp, model.step_context
     return model, model, model.step_context
 
 
@@ -105,6 +114,8 @@ def make_optimizer(model: nn.Module, device: torch.device, fused: bool = True):
 def run_config(model_name: str, impl: str, args, ps) -> dict:
     shape = MODELS[model_name]
     row = dict(model=model_name, impl=impl, tp=ps.tp_size, dp=ps.dp_size, device=device_name(ps.device))
+    if ps.dp_size > 1:
+        row["note"] = "dp: " + ("DDP" if args.dp_mode == "replicate" and not impl.startswith("dtensor") else "FSDP2")
     model = opt = None
     try:
         measured = None
@@ -112,7 +123,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             measured = _measure(impl, shape, args, ps, fallback=False)
         except Exception as exc:  # one retry, said in the row: tpflash's unfused loss / foreach AdamW
             what = "fused loss" if impl.startswith("tpflash") else "fused AdamW"
-            row["note"] = f"{what} failed ({describe(exc)[:60]}); retried without"
+            row["note"] = "; ".join(filter(None, [row.get("note"), f"{what} failed ({describe(exc)[:60]}); retried without"]))
         if measured is None:  # retried outside the except block, so the failed attempt's memory is free
             _cleanup(ps)
             measured = _measure(impl, shape, args, ps, fallback=True)
@@ -181,6 +192,8 @@ def parse_args(argv=None):
     p.add_argument("--models", default="gpt-1.3b,gpt-2.7b", help=f"comma list of {sorted(MODELS)}")
     p.add_argument("--impls", default=None, help=f"comma list of {IMPLS} (default: tp=1: tpflash, plain, "
                                                  "plain-compile; tp>1: tpflash, tpflash-nooverlap, dtensor*)")
+    p.add_argument("--dp-mode", choices=("replicate", "fsdp"), default="replicate",
+                   help="at dp > 1: DDP (tpflash and plain) or FSDP2 over dp (dtensor: FSDP2 either way)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, help="sequences per step per dp rank")
