@@ -5,15 +5,17 @@ default, wraps tpflash and plain in DDP as the trainer's fsdp=auto does where th
 shards them with FSDP2; dtensor always uses FSDP2 over dp, as torchtitan composes it with TP):
     torchrun --nproc_per_node=2 scripts/bench_e2e.py --tp 2 --models gpt-1.3b,gpt-2.7b
     python scripts/bench_e2e.py --tiny          # CPU/gloo smoke test: never report its timings
-Every implementation trains the same GPT-2-style model (learned positions, LayerNorm, GELU-tanh,
-tied embeddings, biases) with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
+Every implementation trains the same model, GPT-2 style (learned positions, LayerNorm, GELU-tanh, tied
+embeddings, biases) or with --models llama-1b Llama style (RoPE, RMSNorm, SwiGLU, GQA, untied head, no
+biases), with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
   tpflash[-nooverlap]   tpflash.models.GPT: SP under tp>1, Triton kernels, fused linear+CE loss,
                         collectives pipelined with the GEMMs (or TPFLASH overlap off)
   tpflash-graphs[-serial|-overlap]  the same with its blocks replayed as CUDA graphs
                         (capture_cuda_graphs): overlap as the library defaults it there (copy-engine
                         overlap where the GPUs map each other's memory), forced off, or forced on
-  plain[-compile]       a GPT written the way users write it (nn.Linear, SDPA, F.cross_entropy), tp=1
-  dtensor[-compile]     the plain GPT under parallelize_module (Colwise/Rowwise/SequenceParallel,
+  plain[-compile]       the model written the way users write it (nn.Linear, nn.LayerNorm/RMSNorm, SDPA
+                        with enable_gqa, F.cross_entropy), tp=1
+  dtensor[-compile]     the plain model under parallelize_module (Colwise/Rowwise/SequenceParallel,
                         loss_parallel), as torchtitan does it, tp>1
 Compiled variants compile each block (and, for plain, the head + loss), as torchtitan does.
 Each row is appended as JSON to --results; the table printed at the end covers every row there, so a
@@ -43,13 +45,17 @@ from tpflash.models import GPT, GPTConfig  # noqa: E402
 from tpflash.parallel import overlap, peer_collectives, pieces_overlap  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_peers import PlainGPT, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
+from e2e_peers import PlainGPT, PlainLlama, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
 from e2e_comm_probe import collectives_alone  # noqa: E402
 from e2e_table import table  # noqa: E402
 from e2e_timing import describe, device_name, time_steps  # noqa: E402
 
+# GPT-2 style unless family="llama" (RMSNorm, RoPE, SwiGLU of width ffn, kv_heads for GQA, untied head,
+# no biases); vocab: the model's own unless --vocab is given
 MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560, layers=32, heads=32),
-          "gpt-6.7b": dict(d=4096, layers=32, heads=32), "tiny": dict(d=64, layers=2, heads=4)}
+          "gpt-6.7b": dict(d=4096, layers=32, heads=32), "tiny": dict(d=64, layers=2, heads=4),
+          "llama-1b": dict(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, family="llama"),
+          "tiny-llama": dict(d=64, layers=2, heads=4, kv_heads=2, ffn=192, family="llama")}
 IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-serial", "tpflash-graphs-overlap",
          "plain", "plain-compile", "dtensor", "dtensor-compile")
 OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives pipelined with the GEMMs
@@ -62,9 +68,12 @@ BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile
 def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
     """(model, loss_fn(idx, targets), context for forward + backward) for one implementation."""
     d, layers, heads = shape["d"], shape["layers"], shape["heads"]
+    llama = shape.get("family") == "llama"
     if impl.startswith("tpflash"):
+        family = (dict(n_kv_head=shape["kv_heads"], ffn_hidden=shape["ffn"], mlp="swiglu", norm="rmsnorm",
+                       position="rotary", tie_embeddings=False, bias=False) if llama else {})
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=d,
-                        sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss)
+                        sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss, **family)
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
         if ps.dp_size > 1 and args.dp_mode == "fsdp":  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction)
             tpflash.parallel.apply_fsdp(model, ps)
@@ -78,7 +87,8 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
             forward = tpflash.parallel.replicate_over_dp(model, ps)
         return model, lambda idx, tgt: _with_overlap(on, forward, idx, tgt), contextlib.nullcontext
     with torch.device(ps.device):
-        model = PlainGPT(d, layers, heads, args.vocab, args.seq)
+        model = (PlainLlama(d, layers, heads, args.vocab, args.seq, shape["kv_heads"], shape["ffn"]) if llama
+                 else PlainGPT(d, layers, heads, args.vocab, args.seq))
     if impl.startswith("dtensor"):
         model = dtensor_tp(model, ps.tp_mesh)
     replicate = ps.dp_size > 1 and args.dp_mode == "replicate" and impl.startswith("plain")
@@ -113,6 +123,7 @@ def make_optimizer(model: nn.Module, device: torch.device, fused: bool = True):
 
 def run_config(model_name: str, impl: str, args, ps) -> dict:
     shape = MODELS[model_name]
+    args = argparse.Namespace(**{**vars(args), "vocab": args.vocab or shape.get("vocab", 50304)})
     row = dict(model=model_name, impl=impl, tp=ps.tp_size, dp=ps.dp_size, device=device_name(ps.device))
     if ps.dp_size > 1:
         row["note"] = "dp: " + ("DDP" if args.dp_mode == "replicate" and not impl.startswith("dtensor") else "FSDP2")
@@ -175,7 +186,9 @@ def _cleanup(ps) -> None:
 def flops_per_token(shape: dict, args) -> float:
     """6 * matmul parameters (blocks + output head) + 12 * L * d * seq for attention (PaLM)."""
     d, layers = shape["d"], shape["layers"]
-    return 6.0 * (12 * layers * d * d + args.vocab * d) + 12.0 * layers * d * args.seq
+    kv = shape.get("kv_heads", shape["heads"]) * d // shape["heads"]  # k and v widths
+    mlp = 3 * d * shape["ffn"] if shape.get("family") == "llama" else 8 * d * d
+    return 6.0 * (layers * (2 * d * d + 2 * d * kv + mlp) + args.vocab * d) + 12.0 * layers * d * args.seq
 
 
 def _peak_gib(device) -> float:
@@ -198,7 +211,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, help="sequences per step per dp rank")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--vocab", type=int, default=None, help="default: the model's (50304 for the GPTs)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--no-comm-probe", action="store_true", help="skip timing the collectives alone")
@@ -218,8 +231,9 @@ def parse_args(argv=None):
                         "Python functions (host time: where a host-bound step goes)")
     p.add_argument("--table-only", action="store_true", help="print the table of --results and exit (no run)")
     args = p.parse_args(argv)
-    if args.tiny:
-        args.models, args.vocab, args.seq, args.batch = "tiny", 512, 64, 2
+    if args.tiny:  # --models tiny-llama for the Llama family
+        args.models = args.models if args.models.startswith("tiny") else "tiny"
+        args.vocab, args.seq, args.batch = 512, 64, 2
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     return args
 

@@ -45,18 +45,21 @@ def fwd_bwd(fn, inputs, grad):
     return run
 
 
-def bench_attention(seqs, head_dims):
+def bench_attention(seqs, head_dims, group=1):
+    """`group` q heads per kv head (GQA when > 1: the SDPA peers get enable_gqa=True)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     peers = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
              "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
+    gqa = {"enable_gqa": True} if group > 1 else {}
     for hd in head_dims:
         heads = 2048 // hd
+        kv_heads = heads // group
         for causal in (False, True):
             for seq in seqs:
                 batch = max(1, 16384 // seq)
                 flops = 4 * batch * heads * seq * seq * hd / (2 if causal else 1)
-                q, k, v = (torch.randn(batch, seq, heads, hd, device=DEV, dtype=BF16, requires_grad=True)
-                           for _ in range(3))
+                q, k, v = (torch.randn(batch, seq, h, hd, device=DEV, dtype=BF16, requires_grad=True)
+                           for h in (heads, kv_heads, kv_heads))
                 qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
                 grad = torch.randn_like(q)
                 def ours(backend):
@@ -69,13 +72,14 @@ def bench_attention(seqs, head_dims):
                 for name, backend in peers.items():
                     def sdpa(backend=backend):
                         with sdpa_kernel(backend):
-                            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
                     impls[name] = ((qt, kt, vt), sdpa, grad.transpose(1, 2).contiguous())
                 for name, (inputs, fn, g) in impls.items():
                     with torch.no_grad():
                         t_f = timed(fn)
                     t_fb = timed(fwd_bwd(fn, inputs, g))
-                    row("attention", f"hd{hd} {'causal' if causal else 'full'} seq{seq} b{batch} h{heads}", name,
+                    row("attention", f"hd{hd} {'causal' if causal else 'full'} seq{seq} b{batch} h{heads}"
+                        + (f" kv{kv_heads}" if group > 1 else ""), name,
                         flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9, "TFLOP/s fwd / fwd+bwd")
                 q = k = v = qt = kt = vt = grad = impls = None  # free this size's tensors before the next
                 torch.cuda.empty_cache()
@@ -206,6 +210,38 @@ def bench_bias_activation(copy_gbs):
                 f"us fwd / bwd, CUDA graph (copy {copy_gbs:.0f} GB/s)")
 
 
+def bench_swiglu(copy_gbs):
+    """The gated MLP's activation on the halves of one [8192, 2n] GEMM output: tpflash's swiglu (one pass
+    each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient) against
+    what the MLP ran before it (F.silu(gate) * up; autograd's silu/mul backward, then torch.cat of
+    the two gradients) and torch.compile of that math. Microseconds per matrix, in a CUDA graph over 4."""
+    from tpflash.kernels.swiglu_kernel import triton_swiglu
+    silu_bwd = torch.ops.aten.silu_backward
+
+    def eager_bwd(dh, u, g, s):  # s = silu(g), saved by autograd in the forward
+        return torch.cat([dh * s, silu_bwd(dh * u, g)], dim=-1)
+    compiled_fwd = torch.compile(lambda u, g: F.silu(g) * u)
+    compiled_bwd = torch.compile(lambda dh, u, g: torch.cat([dh * F.silu(g), silu_bwd(dh * u, g)], dim=-1))
+    for n in (5632, 2816):  # llama-1b's ffn at tp=1 and tp=2
+        ys = [torch.randn(8192, 2 * n, device=DEV, dtype=BF16) for _ in range(4)]
+        halves = [(y[:, :n], y[:, n:]) for y in ys]
+        dhs = [torch.randn(8192, n, device=DEV, dtype=BF16) for _ in ys]
+        saved = [F.silu(g) for _, g in halves]
+        bufs = [torch.empty(8192, 2 * n, device=DEV, dtype=BF16) for _ in ys]
+        impls = {"tpflash": (lambda u, g: triton_swiglu(u, g),
+                             lambda dh, u, g, s, buf: triton_swiglu(u, g, dh, out=(buf[:, :n], buf[:, n:]))),
+                 "F.silu * up; autograd + cat": (lambda u, g: F.silu(g) * u,
+                                                 lambda dh, u, g, s, buf: eager_bwd(dh, u, g, s)),
+                 "compile": (compiled_fwd, lambda dh, u, g, s, buf: compiled_bwd(dh, u, g))}
+        for name, (fwd, bwd) in impls.items():
+            fwd(*halves[0]), bwd(dhs[0], *halves[0], saved[0], bufs[0])  # compile outside the graph
+            t_f = do_bench_cudagraph(lambda: [fwd(u, g) for u, g in halves]) / len(ys)
+            t_b = do_bench_cudagraph(lambda: [bwd(dh, u, g, s, buf) for dh, (u, g), s, buf
+                                              in zip(dhs, halves, saved, bufs)]) / len(ys)
+            row("SwiGLU", f"(8192, 2x{n}) bf16", name, 1e3 * t_f, 1e3 * t_b,
+                f"us fwd / bwd, CUDA graph (copy {copy_gbs:.0f} GB/s)")
+
+
 def bench_fused_linear_ce(tokens=16384, hidden=4096, vocab=128256):
     h = torch.randn(tokens, hidden, device=DEV, dtype=BF16, requires_grad=True)
     w = (torch.randn(vocab, hidden, device=DEV) / 64).to(BF16).requires_grad_()
@@ -232,9 +268,11 @@ def main():
     p.add_argument("--quick", action="store_true", help="attention at seq 4096 and hd 128 only")
     p.add_argument("--head-dims", default="128,64", help="attention head dims, comma list")
     p.add_argument("--seqs", default="1024,4096,16384", help="attention sequence lengths, comma list")
+    p.add_argument("--gqa", type=int, default=1, metavar="G", help="q heads per kv head (Llama-1b: 8)")
     p.add_argument("--attention-only", action="store_true", help="skip the memory-bound and linear+CE parts")
     p.add_argument("--no-attention", action="store_true", help="skip the attention part")
-    p.add_argument("--only", default="", choices=("", "bias_activation", "column_sum", "concat", "memory_bound"),
+    p.add_argument("--only", default="", choices=("", "bias_activation", "column_sum", "concat", "memory_bound",
+                                                  "swiglu"),
                    help="run only this memory-bound part")
     args = p.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
@@ -242,7 +280,7 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     print("| kernel | config | impl | value A | value B | unit |\n|---|---|---|---|---|---|", flush=True)
     if not args.no_attention and not args.only:
-        bench_attention([4096] if args.quick else seqs, [128] if args.quick else head_dims)
+        bench_attention([4096] if args.quick else seqs, [128] if args.quick else head_dims, args.gqa)
     if args.attention_only:
         return 0
     copy_gbs = bench_copy()
@@ -253,6 +291,7 @@ def main():
     bench_column_sum(copy_gbs)
     bench_concat(copy_gbs)
     bench_bias_activation(copy_gbs)
+    bench_swiglu(copy_gbs)
     bench_fused_linear_ce()
     return 0
 

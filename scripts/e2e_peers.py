@@ -1,5 +1,5 @@
-"""The peers of scripts/bench_e2e.py: a plain-PyTorch GPT written the way users write it, and the same
-model under PyTorch's native DTensor tensor parallelism (as torchtitan parallelizes a GPT-2 block)."""
+"""The peers of scripts/bench_e2e.py: a plain-PyTorch GPT-2 and Llama written the way users write them,
+and the same models under PyTorch's native DTensor tensor parallelism (torchtitan's plans)."""
 from __future__ import annotations
 
 import contextlib
@@ -55,29 +55,102 @@ class PlainGPT(nn.Module):
         return self.head_loss(x, targets)
 
 
+class LlamaAttention(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.head_dim = d // heads
+        self.q, self.o = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.k, self.v = (nn.Linear(d, kv_heads * self.head_dim, bias=False) for _ in range(2))
+
+    def forward(self, x, cos, sin):  # x [b, s, d], cos/sin [s, head_dim]
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # Hugging Face's RoPE
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d: int, ffn: int):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False), nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, ffn: int):
+        super().__init__()
+        self.ln1, self.attn = nn.RMSNorm(d, eps=1e-5), LlamaAttention(d, heads, kv_heads)
+        self.ln2, self.mlp = nn.RMSNorm(d, eps=1e-5), LlamaMLP(d, ffn)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.ln1(x), cos, sin)
+        return x + self.mlp(self.ln2(x))
+
+
+class PlainLlama(PlainGPT):
+    """Llama (RMSNorm, RoPE, SwiGLU, GQA through SDPA's enable_gqa, untied head, no biases)."""
+
+    def __init__(self, d: int, layers: int, heads: int, vocab: int, seq: int, kv_heads: int, ffn: int):
+        nn.Module.__init__(self)
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(LlamaBlock(d, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm, self.lm_head = nn.RMSNorm(d, eps=1e-5), nn.Linear(d, vocab, bias=False)
+        for name, p in self.named_parameters():
+            nn.init.normal_(p, std=0.02) if p.dim() == 2 else None
+        head_dim = d // heads
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq).repeat(1, 2)  # [s, head_dim]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.step_context = contextlib.nullcontext
+
+    def forward(self, idx, targets):
+        x = self.tok(idx)
+        cos, sin = self.cos[:idx.shape[1]], self.sin[:idx.shape[1]]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head_loss(x, targets)
+
+
 def compile_blocks(model: nn.Module) -> None:
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block)
 
 
 def dtensor_tp(model: PlainGPT, mesh) -> PlainGPT:
-    """Megatron-style TP + SP with PyTorch's own API (torchtitan's plan for a GPT-2 block)."""
+    """Megatron-style TP + SP with PyTorch's own API (torchtitan's plans for GPT-2 and Llama blocks)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, loss_parallel, parallelize_module)
-    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    parallelize_module(model, mesh, {
-        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
-    model.lm_head.weight = model.tok.weight  # re-tie: both are Shard(0) over the vocabulary
+    llama = isinstance(model, PlainLlama)
+    root = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    if not llama:
+        root["pos"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+    parallelize_module(model, mesh, root)
+    if not llama:
+        model.lm_head.weight = model.tok.weight  # re-tie: both are Shard(0) over the vocabulary
+    rest = (None, None) if llama else ()  # a Llama block's attention also takes cos and sin
+    gather = PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+    plan = {"ln1": SequenceParallel(), "attn": gather, "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)), "ln2": SequenceParallel()}
+    if llama:  # one gather for gate and up
+        plan.update({"mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                     "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+                     "mlp.down": RowwiseParallel(output_layouts=Shard(1))})
+    else:
+        plan.update({"fc": ColwiseParallel(input_layouts=Shard(1)), "proj": RowwiseParallel(output_layouts=Shard(1))})
     for block in model.blocks:
-        parallelize_module(block, mesh, {
-            "ln1": SequenceParallel(), "attn": gather, "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
-            "ln2": SequenceParallel(), "fc": ColwiseParallel(input_layouts=Shard(1)),
-            "proj": RowwiseParallel(output_layouts=Shard(1))})
+        parallelize_module(block, mesh, plan)
     model.step_context = loss_parallel
     return model
 

@@ -192,3 +192,45 @@ def test_linears_reject_a_weight_of_another_input_size_naming_it():
         linears(x, ws, bs)
     with pytest.raises(ValueError, match="3 weights but 2 biases"):
         linears(x, ws, bs[:2])
+
+
+class _ScaleBoth(torch.autograd.Function):
+    """(2a, 3b); the backward returns its gradients as the two column blocks of one buffer when
+    `joined`, as tpflash.kernels.swiglu's backward does, else as two tensors."""
+
+    @staticmethod
+    def forward(ctx, a, b, joined):
+        ctx.joined = joined
+        return 2 * a, 3 * b
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        if not ctx.joined:
+            return 2 * ga, 3 * gb, None
+        buf = torch.empty(ga.shape[:-1] + (ga.shape[-1] + gb.shape[-1],), dtype=ga.dtype)
+        buf[..., :ga.shape[-1]], buf[..., ga.shape[-1]:] = 2 * ga, 3 * gb
+        return buf[..., :ga.shape[-1]], buf[..., ga.shape[-1]:], None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_linears_take_a_joined_gradient_without_copying_it(monkeypatch, bias):
+    from tpflash.layers.autocast_linear import linears
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 32)
+    ws = [(0.2 * torch.randn(n, 32)).requires_grad_() for n in (24, 16)]
+    bs = [torch.randn(n).requires_grad_() if bias else None for n in (24, 16)]
+
+    def grads(joined):
+        for p in ws + [b for b in bs if b is not None]:
+            p.grad = None
+        xx = x.clone().requires_grad_()
+        y1, y2 = linears(xx, ws, bs)
+        a, b = _ScaleBoth.apply(y1, y2, joined)
+        if joined:  # the joined gradient must reach the GEMMs as it is: no torch.cat from here on
+            monkeypatch.setattr(torch, "cat", lambda *a, **k: pytest.fail("the joined gradient was copied"))
+        (a.square().sum() + b.sum()).backward()
+        monkeypatch.undo()
+        return [xx.grad] + [p.grad for p in ws + bs if p is not None]
+
+    for got, want in zip(grads(True), grads(False)):
+        assert torch.allclose(got, want, atol=1e-5)

@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from tests.distributed.checks import init_tp
+from tests.kernels.helpers import assert_rel, needs_interpreter
 from tests.models.reference import RefMLP, check_against_reference
+from tpflash.kernels import use_backend
 from tpflash.layers import ParallelMLP
 
 pytestmark = pytest.mark.cpu_ranks  # fp32 CPU references: gloo even where GPUs are visible
@@ -45,3 +47,22 @@ def test_fused_dense_needs_the_tanh_gelu_mlp():
 def test_unknown_mlp_raises():
     with pytest.raises(ValueError, match="mlp='tanh' must be one of"):
         ParallelMLP(HIDDEN, FFN, mlp="tanh")
+
+
+@needs_interpreter
+def test_swiglu_mlp_on_the_triton_kernels_matches_the_reference_backend():
+    # one process: the Triton swiglu (and its one-buffer gradient into the stacked up|gate GEMM)
+    # against the same layer on the reference kernels, under bf16 autocast as in training
+    torch.manual_seed(0)
+    layer = ParallelMLP(HIDDEN, FFN, mlp="swiglu", bias=False)
+    x, dy = torch.randn(7, 3, HIDDEN), torch.randn(7, 3, HIDDEN)
+    results = []
+    for backend in ("triton", "reference"):
+        layer.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        with use_backend(backend), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(xx)
+            y.backward(dy.to(y.dtype))
+        results.append([y.float(), xx.grad] + [p.grad for p in layer.parameters()])
+    for name, got, want in zip(["out", "x grad", "up", "gate", "down"], *results):
+        assert_rel(got, want, torch.bfloat16, name)

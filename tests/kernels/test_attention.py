@@ -121,8 +121,9 @@ def test_attention_head_dim_96_and_seq_first_views_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_auto_backend_attention_matches_reference_on_gpu(causal):
-    q, k, v = _qkv(2, 512, 512, 8, 8, 128, torch.bfloat16, DEVICE)
+@pytest.mark.parametrize("heads_kv", [8, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_auto_backend_attention_matches_reference_on_gpu(causal, heads_kv):
+    q, k, v = _qkv(2, 512, 512, 8, heads_kv, 128, torch.bfloat16, DEVICE)
     grad_out = [torch.randn_like(q)]
     fn = lambda q, k, v: flash_attention(q, k, v, causal=causal)  # noqa: E731
     outs, grads = run_with_grads(fn, [q, k, v], grad_out, backend="auto")
@@ -130,3 +131,11 @@ def test_auto_backend_attention_matches_reference_on_gpu(causal):
     assert_rel(outs[0], ref_outs[0], torch.bfloat16, "out")
     for name, g, r in zip("qkv", grads, ref_grads):
         assert_rel(g, r, torch.bfloat16, f"d{name}")
+
+
+@pytest.mark.gpu
+def test_gqa_runs_on_cudnn_on_gpu():
+    # llama-1b's layout (8 q heads per kv head, head_dim 64): the auto backend's fast path must accept it
+    from tpflash.kernels.attention import _cudnn_sdpa
+    q, k, v = _qkv(2, 256, 256, 32, 4, 64, torch.bfloat16, DEVICE)
+    assert _cudnn_sdpa(q, k, v, True, 0.125, None, False) is not None, "cuDNN declined GQA"

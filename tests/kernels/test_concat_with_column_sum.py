@@ -10,6 +10,7 @@ import torch
 
 from tests.kernels.helpers import assert_rel, needs_interpreter
 from tpflash.kernels import concat_with_column_sum, use_backend
+from tpflash.kernels.column_sum import joined_column_blocks
 
 
 def _parts(lead, widths, dtype, device="cpu", seq_batch_swapped=False):
@@ -106,3 +107,31 @@ def test_concat_kernel_compiles_for_an_h100():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_joined_column_blocks_is_the_buffer_the_splits_of_a_contiguous_tensor_view():
+    y = torch.randn(4, 3, 10)
+    joined = joined_column_blocks(list(y.split([3, 5, 2], dim=-1)))
+    assert joined is not None and joined.data_ptr() == y.data_ptr() and torch.equal(joined, y)
+    assert torch.equal(joined_column_blocks([y]), y)
+    rows = torch.randn(2, 20)[1]  # one row, at a storage offset
+    assert torch.equal(joined_column_blocks(list(rows.view(1, 20).split([4, 16], dim=-1))), rows.view(1, 20))
+
+
+def test_joined_column_blocks_refuses_anything_else():
+    y = torch.randn(4, 10)
+    a, b, c = y.split([3, 5, 2], dim=-1)
+    assert joined_column_blocks([a, c]) is None  # a gap
+    assert joined_column_blocks([b, a]) is None  # out of order
+    assert joined_column_blocks(list(torch.randn(4, 12)[:, :10].split(5, dim=-1))) is None  # row stride 12
+    assert joined_column_blocks([torch.randn(1, 5), torch.randn(1, 5)]) is None  # separate storages
+    assert joined_column_blocks(list(torch.randn(10, 4).t().split(5, dim=-1))) is None  # transposed
+    assert joined_column_blocks([]) is None
+    assert joined_column_blocks(list(torch.randn(0, 10).split(5, dim=-1))) is None
+
+
+def test_concat_with_column_sum_of_one_buffers_blocks_returns_that_buffer():
+    y = torch.randn(6, 5, 12)
+    rows, sums = concat_with_column_sum(list(y.split([4, 8], dim=-1)))
+    assert rows.data_ptr() == y.data_ptr() and torch.equal(rows, y.view(-1, 12))
+    assert torch.allclose(sums, y.view(-1, 12).sum(0), atol=1e-5)

@@ -46,19 +46,22 @@ def _cudnn_sdpa(q, k, v, causal, scale, cu_seqlens, return_lse):
     """Out from torch SDPA's cuDNN backend, or None where it does not apply.
 
     scripts/bench_kernels.py measured cuDNN at ~1.6-1.9x tpflash's Triton kernel (fwd+bwd, H200,
-    docs/performance.md), so "auto" takes it for what it supports here: batched MHA, fp16/bf16,
-    head_dim a multiple of 8 up to 128 (gpt-2.7b's 80 included), no lse wanted, and top-left ==
-    bottom-right causal alignment (seq_q == seq_k).
+    docs/performance.md), so "auto" takes it for what it supports here: batched attention (MHA, and
+    GQA/MQA through SDPA's enable_gqa, which cuDNN runs without repeating k/v), fp16/bf16, head_dim a
+    multiple of 8 up to 128 (gpt-2.7b's 80 included), no lse wanted, and top-left == bottom-right
+    causal alignment (seq_q == seq_k). A torch or cuDNN that declines (e.g. GQA on an older cuDNN)
+    raises, and the Triton kernel runs instead.
     """
     hd = q.shape[-1]
-    if (cu_seqlens is not None or return_lse or q.shape[2] != k.shape[2] or q.dtype not in _HALF
+    if (cu_seqlens is not None or return_lse or q.dtype not in _HALF
             or hd % 8 or hd > 128 or (causal and q.shape[1] != k.shape[1])):
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
     try:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=causal, scale=scale)
+                                                 is_causal=causal, scale=scale, **gqa)
     except RuntimeError:  # cuDNN declined this configuration (version, strides, GPU)
         return None
     return out.transpose(1, 2)
@@ -76,9 +79,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     Varlen (packed sequences): q/k/v [total, heads, head_dim] and cu_seqlens int32 [n_seqs + 1]
     (offsets of each sequence, the same for q and k); max_seqlen = the longest sequence (computed
     when omitted, at the cost of a device sync).
-    Backends: Triton on CUDA, the reference on CPU; under "auto", batched MHA in fp16/bf16 at head_dim
-    a multiple of 8 up to 128 (without return_lse) goes to torch SDPA's cuDNN backend, which measured faster (see
-    docs/performance.md); use_backend("triton") forces the Triton kernel.
+    Backends: Triton on CUDA, the reference on CPU; under "auto", batched attention (MHA or GQA) in
+    fp16/bf16 at head_dim a multiple of 8 up to 128 (without return_lse) goes to torch SDPA's cuDNN
+    backend where it accepts the call, which measured faster (see docs/performance.md);
+    use_backend("triton") forces the Triton kernel.
     Returns out shaped like q (its dtype; contiguous for the Triton kernel), and with return_lse also the fp32 log-sum-exp of
     the scaled scores, [batch, heads_q, seq_q] (varlen: [heads_q, total]). Differentiable in q, k, v.
     """

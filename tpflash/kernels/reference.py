@@ -145,3 +145,9 @@ def bias_activation_reference(y: torch.Tensor, bias: torch.Tensor, activation: s
     """act(y + bias) in fp32 (float64 for float64 y), returned in y's dtype; differentiable."""
     compute = torch.float64 if y.dtype == torch.float64 else torch.float32
     return ACTIVATION_FUNCTIONS[activation](y.to(compute) + bias.to(compute)).to(y.dtype)
+
+
+def swiglu_reference(up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32 (float64 for float64 up), returned in up's dtype; differentiable."""
+    compute = torch.float64 if up.dtype == torch.float64 else torch.float32
+    return (F.silu(gate.to(compute)) * up.to(compute)).to(up.dtype)

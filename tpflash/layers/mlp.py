@@ -5,7 +5,6 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import kernels
 from ..parallel.state import group_size, resolve_tp_group
@@ -83,7 +82,8 @@ class ParallelMLP(nn.Module):
             projections = [self.up_proj, self.gate_proj]
             up, gate = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
                                                self.process_group, self.sequence_parallel)  # [seq, b, ffn/tp] each
-            h = F.silu(gate) * up
+            # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
+            h = kernels.swiglu(up, gate)
         return self.down_proj(h)  # [seq(/tp), b, hidden]
 
     def extra_repr(self) -> str:

@@ -1,0 +1,67 @@
+"""Public SwiGLU, silu(gate) * up, whose backward hands the stacked up|gate GEMM its gradient in one buffer.
+
+The gated MLP computes up and gate in one GEMM ([*, 2n], split in two views). Its backward needs the
+gradient of that product as one [*, 2n] matrix; when up and gate are such adjacent halves, the
+backward here writes d_up and d_gate as the two halves of one new [*, 2n] buffer, so the GEMM's
+backward can use it as it is (tpflash.kernels.column_sum.joined_column_blocks finds it) instead of concatenating two tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from .column_sum import joined_column_blocks
+from .reference import swiglu_reference
+
+
+class _TritonSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, up, gate):
+        from .swiglu_kernel import triton_swiglu
+        n = up.shape[-1]
+        ctx.save_for_backward(up, gate)  # as given: the GEMM's halves stay views, no copy
+        return triton_swiglu(up.reshape(-1, n), gate.reshape(-1, n)).view(up.shape)
+
+    @staticmethod
+    def backward(ctx, dh):
+        from .swiglu_kernel import triton_swiglu
+        up, gate = ctx.saved_tensors
+        n = up.shape[-1]
+        dh2 = dh.reshape(-1, n)
+        if dh2.stride(-1) != 1:
+            dh2 = dh2.contiguous()
+        up2, gate2 = up.reshape(-1, n), gate.reshape(-1, n)
+        if joined_column_blocks([up, gate]) is not None:
+            # [d_up | d_gate] as one contiguous [*, 2n] buffer: the stacked GEMM's gradient as it is
+            buf = torch.empty(up.shape[:-1] + (2 * n,), device=dh.device, dtype=dh.dtype)
+            d_up, d_gate = buf[..., :n], buf[..., n:]
+            triton_swiglu(up2, gate2, dh2, out=(d_up.view(-1, n), d_gate.view(-1, n)))
+        else:
+            d_up, d_gate = (g.view(up.shape) for g in triton_swiglu(up2, gate2, dh2))
+        return d_up, d_gate
+
+
+def swiglu(up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (silu(g) = g * sigmoid(g)), the gated MLP's activation: up and gate [*, n] of
+    one shape, dtype and device, each with last-dim stride 1 and any other strides (typically the two
+    column halves of one [*, 2n] GEMM output) -> a new contiguous [*, n] tensor. Computes in fp32 and
+    returns up's dtype; the gradients come in the upstream gradient's dtype.
+
+    Triton on CUDA (tpflash.kernels.swiglu_kernel: one pass over the inputs each way), the reference
+    on CPU (tpflash.kernels.dispatch). On the Triton path, when up and gate are adjacent column blocks
+    of one contiguous [*, 2n] tensor, [up | gate] (column_sum.joined_column_blocks), the gradients
+    come back as the two halves [..., :n], [..., n:] of one new contiguous [*, 2n] buffer, which the
+    GEMM's backward can take without torch.cat; otherwise as two contiguous tensors.
+    """
+    if up.dim() == 0 or up.shape != gate.shape:
+        raise ValueError(f"swiglu: up {tuple(up.shape)} and gate {tuple(gate.shape)} must be [*, n] of one shape")
+    if up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(f"swiglu: up is {up.dtype} on {up.device}, gate {gate.dtype} on {gate.device}; "
+                         "they must match")
+    for name, t in (("up", up), ("gate", gate)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:  # the kernel steps through columns one element at a time
+            raise ValueError(f"swiglu: {name} {tuple(t.shape)} has strides {t.stride()}; "
+                             "its last dim must have stride 1")
+    if dispatch.pick(up) == "triton" and up.is_floating_point() and up.dtype != torch.float64:
+        return _TritonSwiGLU.apply(up, gate)
+    return swiglu_reference(up, gate)
