@@ -65,6 +65,7 @@ CATEGORIES = (
     ("cross-entropy", ("cross_entropy", "_ce_", "log_softmax", "nll_loss")),
     ("optimizer", ("adam", "foreach", "multi_tensor")),
     ("rotary", ("rotary",)),
+    ("activation", ("swiglu", "bias_activation", "silu", "gelu")),
 )
 
 

@@ -5,8 +5,8 @@ bench_e2e reports each row's loss after its warm-up steps, and the rows start fr
 their losses differ. This trains, on the bench's fixed batch with its optimizer: tpflash from its
 init, the plain model loaded with tpflash's weights, and the plain model from its own init, and
 prints the three loss curves. The first two agreeing means the bench's loss gap is the init.
-    python3 scripts/probe_init_parity.py --models llama-1b,gpt-1.3b [--steps 6]     (one GPU)
-    python3 scripts/probe_init_parity.py --tiny                                     (CPU smoke test)
+    torchrun --nproc_per_node=1 scripts/probe_init_parity.py --models llama-1b,gpt-1.3b [--steps 6]
+    torchrun --nproc_per_node=1 scripts/probe_init_parity.py --tiny      (CPU smoke test)
 """
 from __future__ import annotations
 

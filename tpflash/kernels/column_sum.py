@@ -32,12 +32,16 @@ def joined_column_blocks(parts: Sequence[torch.Tensor]) -> Optional[torch.Tensor
     backward that copy. None also for an empty list or no rows."""
     if not parts or parts[0].dim() == 0 or parts[0].shape[:-1].numel() == 0:
         return None
-    first = parts[0]
+    first, ptr = parts[0], parts[0].data_ptr()
+    for t in parts:  # the cheap test first: separate gradients fail it, at the cost of a few calls
+        if t.data_ptr() != ptr:
+            return None
+        ptr += t.shape[-1] * t.element_size()
     shape = first.shape[:-1] + (sum(t.shape[-1] for t in parts),)
     strides = [1] * len(shape)  # the contiguous strides of the joined tensor
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
-    ptr, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    storage = first.untyped_storage().data_ptr()
     for t in parts:
         if (t.dim() != first.dim() or t.shape[:-1] != first.shape[:-1] or t.dtype != first.dtype
                 or t.device != first.device):
@@ -46,9 +50,8 @@ def joined_column_blocks(parts: Sequence[torch.Tensor]) -> Optional[torch.Tensor
         if any(size > 1 and stride != want for size, stride, want in zip(t.shape, t.stride(), strides)):
             return None
         # the storage check too: two separate allocations can lie next to each other by chance
-        if t.data_ptr() != ptr or t.untyped_storage().data_ptr() != storage:
+        if t.untyped_storage().data_ptr() != storage:
             return None
-        ptr += t.shape[-1] * t.element_size()
     return first.as_strided(shape, strides)  # storage offset: first's
 
 
