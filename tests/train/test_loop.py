@@ -151,9 +151,23 @@ def test_cuda_graphs_auto_is_off_on_cpu_and_on_names_what_stands_in_the_way(corp
     from tpflash.train import build
     model = GPT(GPTConfig.preset("gpt2-tiny", n_layer=1, n_embd=32, dropout=0.1))
     cpu = torch.device("cpu")
-    assert build.use_cuda_graphs(tiny_config(corpus, cuda_graphs="auto"), model, cpu)[0] is False
+    assert build.use_cuda_graphs(tiny_config(corpus, cuda_graphs="auto"), model, cpu, 1)[0] is False
     with pytest.raises(ValueError, match=r"cuda_graphs=on is not possible here: block 0 has dropout=0.1"):
-        build.use_cuda_graphs(tiny_config(corpus, cuda_graphs="on"), model, cpu)
+        build.use_cuda_graphs(tiny_config(corpus, cuda_graphs="on"), model, cpu, 1)
+    auto, why = build.use_cuda_graphs(tiny_config(corpus, cuda_graphs="auto"), model, torch.device("cuda"), 1)
+    assert auto is False and "dropout=0.1" in why
+
+
+@pytest.mark.parametrize("tp, dp, on", [(1, 1, True), (1, 2, False), (2, 1, True), (2, 4, True)])
+def test_cuda_graphs_auto_graphs_on_cuda_except_tp1_replicated_over_dp(corpus, tp, dp, on):
+    # the rule only reads the device's type: no GPU needed to check it
+    from tpflash.models import GPT, GPTConfig
+    from tpflash.train import build
+    model = GPT(GPTConfig.preset("gpt2-tiny", n_layer=1, n_embd=32))
+    cfg = tiny_config(corpus, cuda_graphs="auto")
+    cfg.tp = tp
+    graphs, why = build.use_cuda_graphs(cfg, model, torch.device("cuda"), dp)
+    assert graphs is on, why
 
 
 class PoisonedTrainer(Trainer):

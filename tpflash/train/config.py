@@ -105,9 +105,9 @@ class TrainConfig:
     """Everything `python -m tpflash.train` needs. dtype: "auto" (bf16 autocast on CUDA, fp32 on
     CPU), "bf16" or "fp32". fsdp: "auto" (FSDP over dp when dp > 1 and the
     replicated optimizer state would fill more than half the device: tpflash.train.build.fsdp_choice), "on", "off". cuda_graphs:
-    "auto" (replay the model's blocks as CUDA graphs on CUDA at tp > 1 when the model allows it:
-    no FSDP, dropout 0, no activation checkpointing), "on" (also at tp=1; an error if not
-    allowed), "off"."""
+    "auto" (replay the model's blocks as CUDA graphs on CUDA at tp > 1, and at tp=1 with dp=1, when
+    the model allows it: no FSDP, dropout 0, no activation checkpointing), "on" (also at tp=1 with
+    dp > 1; an error if not allowed), "off"."""
 
     tp: int = 1
     dp: int = -1

@@ -62,7 +62,7 @@ class Trainer:
         self.changed_settings = []  # the optimizer settings the config changed against the checkpoint
         self.resumed_from = self._resume()
         # after loading: the graphs replay on the parameter tensors they were captured with
-        self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device)
+        self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device, self.ps.dp_size)
         if self.cuda_graphs:
             with build.autocast(self.device, self.amp_dtype):
                 self.model.capture_cuda_graphs(self.plan.micro, self.seq_len)
