@@ -10,6 +10,8 @@
 #   OUT=<dir> bash scripts/gpu_e2e.sh table4  on 4 GPUs (nvidia-h200-x4): gpt-2.7b at tp=1 (tpflash-graphs, for
 #                                             the efficiency) and at tp=4 (tpflash-graphs, tpflash-nooverlap,
 #                                             dtensor-compile): the issue's tp=4 target
+#   OUT=<dir> bash scripts/gpu_e2e.sh llama   the Llama path on 2 GPUs: llama-1b at tp=1 (tpflash-graphs, plain-compile)
+#                                             and at tp=2 (tpflash-graphs, tpflash-nooverlap, dtensor-compile)
 #   OUT=<dir> bash scripts/gpu_e2e.sh train   the trainer (configs/demo.yaml on 2 GPUs, tp=2): cuda_graphs on vs
 #                                             off for 100 steps, and on, stopped at 60 and resumed to 100
 # Rows go to $OUT/bench_e2e.jsonl; `python3 scripts/bench_e2e.py --table-only --results FILE` prints them.
@@ -37,6 +39,12 @@ case "${1:-check}" in
   table4)  # the tp=4 target (efficiency >= 0.80 at gpt-2.7b); not yet run: no four-GPU machine has been lent
     timeout 100 $RUN --nproc_per_node=1 $E2E --tp 1 --models gpt-2.7b --impls tpflash-graphs 2>&1 | grep "bench_e2e\]\|Error"
     timeout 400 $RUN --nproc_per_node=4 $E2E --tp 4 --models gpt-2.7b \
+      --impls tpflash-graphs,tpflash-nooverlap,dtensor-compile 2>&1 | grep "bench_e2e\]\|Error"
+    python3 scripts/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md" ;;
+  llama)  # not an issue target; measured on one GPU in the sixteenth session, never at tp=2
+    timeout 200 $RUN --nproc_per_node=1 $E2E --tp 1 --models llama-1b --impls tpflash-graphs,plain-compile \
+      2>&1 | grep "bench_e2e\]\|Error"
+    timeout 300 $RUN --nproc_per_node=2 $E2E --tp 2 --models llama-1b \
       --impls tpflash-graphs,tpflash-nooverlap,dtensor-compile 2>&1 | grep "bench_e2e\]\|Error"
     python3 scripts/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md" ;;
   train)

@@ -139,3 +139,21 @@ def test_gqa_runs_on_cudnn_on_gpu():
     from tpflash.kernels.attention import _cudnn_sdpa
     q, k, v = _qkv(2, 256, 256, 32, 4, 64, torch.bfloat16, DEVICE)
     assert _cudnn_sdpa(q, k, v, True, 0.125, None, False) is not None, "cuDNN declined GQA"
+
+
+def test_a_configuration_cudnn_declines_is_asked_once_and_said(monkeypatch):
+    # the auto backend's fast path: a decline falls back to Triton, with one warning, and the same
+    # configuration is not retried (an exception per call would cost every step)
+    from tpflash.kernels import attention
+    calls = []
+
+    def declining_sdpa(*args, **kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("No available kernel. Aborting execution.")
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", declining_sdpa)
+    monkeypatch.setattr(attention, "_CUDNN_DECLINED", set())
+    q, k, v = _qkv(2, 16, 16, 8, 2, 64, torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"cuDNN declined q \(2, 16, 8, 64\), k \(2, 16, 2, 64\)"):
+        assert attention._cudnn_sdpa(q, k, v, True, 0.125, None, False) is None
+    assert attention._cudnn_sdpa(q, k, v, True, 0.125, None, False) is None
+    assert len(calls) == 1 and calls[0]["enable_gqa"] is True

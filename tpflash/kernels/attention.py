@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -12,6 +13,7 @@ from .reference import attention_reference
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_CUDNN_DECLINED = set()  # (shapes, strides, dtype, device, causal) that cuDNN refused once
 
 
 def _check_attention_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
@@ -57,12 +59,20 @@ def _cudnn_sdpa(q, k, v, causal, scale, cu_seqlens, return_lse):
             or hd % 8 or hd > 128 or (causal and q.shape[1] != k.shape[1])):
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, causal)
+    if key in _CUDNN_DECLINED:  # asked once already: do not pay for the exception on every call
+        return None
     gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
     try:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=causal, scale=scale, **gqa)
-    except RuntimeError:  # cuDNN declined this configuration (version, strides, GPU)
+    except torch.cuda.OutOfMemoryError:  # not a decline: the caller must see it
+        raise
+    except RuntimeError as exc:  # cuDNN declined this configuration (version, strides, GPU)
+        _CUDNN_DECLINED.add(key)
+        warnings.warn(f"tpflash attention: cuDNN declined q {tuple(q.shape)}, k {tuple(k.shape)} {q.dtype} "
+                      f"(causal={causal}): the Triton kernel runs instead ({str(exc).splitlines()[0][:100]})")
         return None
     return out.transpose(1, 2)
 
