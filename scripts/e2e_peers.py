@@ -78,7 +78,8 @@ def rotate_half(x):
 class LlamaMLP(nn.Module):
     def __init__(self, d: int, ffn: int):
         super().__init__()
-        self.gate, self.up, self.down = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False), nn.Linear(ffn, d, bias=False)
+        self.gate, self.up = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
+        self.down = nn.Linear(ffn, d, bias=False)
 
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))

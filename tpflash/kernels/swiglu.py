@@ -3,7 +3,8 @@
 The gated MLP computes up and gate in one GEMM ([*, 2n], split in two views). Its backward needs the
 gradient of that product as one [*, 2n] matrix; when up and gate are such adjacent halves, the
 backward here writes d_up and d_gate as the two halves of one new [*, 2n] buffer, so the GEMM's
-backward can use it as it is (tpflash.kernels.column_sum.joined_column_blocks finds it) instead of concatenating two tensors.
+backward can use it as it is (tpflash.kernels.column_sum.joined_column_blocks finds it) instead of
+concatenating two tensors.
 """
 from __future__ import annotations
 
