@@ -203,8 +203,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size)")
     p.add_argument("--models", default="gpt-1.3b,gpt-2.7b", help=f"comma list of {sorted(MODELS)}")
-    p.add_argument("--impls", default=None, help=f"comma list of {IMPLS} (default: tp=1: tpflash, plain, "
-                                                 "plain-compile; tp>1: tpflash, tpflash-nooverlap, dtensor*)")
+    p.add_argument("--impls", default=None, help=f"comma list of {IMPLS} (default: tpflash-graphs, the trainer's "
+                   "choice, then at tp=1 tpflash, plain, plain-compile; at tp>1 tpflash, tpflash-nooverlap, dtensor*)")
     p.add_argument("--dp-mode", choices=("replicate", "fsdp"), default="replicate",
                    help="at dp > 1: DDP (tpflash and plain) or FSDP2 over dp (dtensor: FSDP2 either way)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
@@ -254,7 +254,9 @@ def main(argv=None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ps = tpflash.parallel.init(tp=args.tp or world)
     args.dtype = args.dtype or ("bf16" if ps.device.type == "cuda" else "fp32")
-    default = "tpflash,plain,plain-compile" if ps.tp_size == 1 else "tpflash,tpflash-nooverlap,dtensor,dtensor-compile"
+    # first the trainer's default (graphed blocks, at tp=1 where dp=1), then the eager step and the peers
+    default = "tpflash-graphs," + ("tpflash,plain,plain-compile" if ps.tp_size == 1
+                                   else "tpflash,tpflash-nooverlap,dtensor,dtensor-compile")
     impls = (args.impls or default).split(",")
     for name in impls + args.models.split(","):
         if name not in IMPLS and name not in MODELS:
