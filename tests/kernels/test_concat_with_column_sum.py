@@ -135,3 +135,12 @@ def test_concat_with_column_sum_of_one_buffers_blocks_returns_that_buffer():
     rows, sums = concat_with_column_sum(list(y.split([4, 8], dim=-1)))
     assert rows.data_ptr() == y.data_ptr() and torch.equal(rows, y.view(-1, 12))
     assert torch.allclose(sums, y.view(-1, 12).sum(0), atol=1e-5)
+
+
+def test_concat_rows_is_the_buffer_for_its_blocks_and_a_concatenation_otherwise():
+    from tpflash.kernels.column_sum import concat_rows
+    y = torch.randn(6, 5, 12)
+    rows = concat_rows(list(y.split([4, 8], dim=-1)))
+    assert rows.data_ptr() == y.data_ptr() and torch.equal(rows, y.view(-1, 12))
+    a, b = torch.randn(6, 5, 4), torch.randn(6, 5, 8).transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(concat_rows([a, b]), torch.cat([a, b], dim=-1).view(-1, 12))

@@ -55,6 +55,16 @@ def joined_column_blocks(parts: Sequence[torch.Tensor]) -> Optional[torch.Tensor
     return first.as_strided(shape, strides)  # storage offset: first's
 
 
+def concat_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts, dim=-1) as a [rows, c_1 + ... + c_k] matrix for parts [*, c_i] with the same
+    leading sizes: the parts' own buffer, not a copy, where they are its column blocks already
+    (joined_column_blocks). The stacked layers' backward without bias gradients."""
+    joined = joined_column_blocks(parts)
+    if joined is not None:
+        return joined.view(-1, joined.shape[-1])
+    return torch.cat([p.reshape(-1, p.shape[-1]) for p in parts], dim=-1)
+
+
 def concat_with_column_sum(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(torch.cat(parts, dim=-1) as a contiguous [rows, sum c_i] matrix, its fp32 column sums [sum c_i])
     for 1-3 float parts of one dtype and device, each [*, c_i] with the same leading sizes (rows =

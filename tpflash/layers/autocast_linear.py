@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import column_sum, concat_with_column_sum
-from ..kernels.column_sum import joined_column_blocks
+from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
 from .weight_casts import stacked_cast
 
@@ -53,10 +53,9 @@ class _StackedLinear(torch.autograd.Function):
         if n > 1 and ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:]):
             rows, bias_sums = concat_with_column_sum(grad_ys)  # [tokens, sum out] and its column sums, one pass
             grad_y = rows.view(x_c.shape[:-1] + (rows.shape[-1],))
-        else:  # [*, sum out]; no copy where the gradients are one buffer's blocks already (swiglu's backward)
-            grad_y = grad_ys[0] if n == 1 else joined_column_blocks(grad_ys)
-            grad_y = torch.cat(grad_ys, dim=-1) if grad_y is None else grad_y
-            rows = grad_y.reshape(-1, grad_y.shape[-1])  # [tokens, sum out]
+        else:  # no copy where the gradients are one buffer's blocks already (swiglu's backward)
+            rows = grad_ys[0].reshape(-1, ctx.sizes[0]) if n == 1 else concat_rows(grad_ys)  # [tokens, sum out]
+            grad_y = grad_ys[0] if n == 1 else rows.view(x_c.shape[:-1] + (rows.shape[-1],))  # [*, sum out]
         grad_x, grads = None, [None] * (2 * n)
         if ctx.needs_input_grad[0]:
             grad_x = (grad_y @ w_c).to(ctx.x_dtype)  # [*, in]

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import column_sum, concat_with_column_sum
+from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
 from ..layers.weight_casts import stacked_cast
 from . import comm, peer_collectives
@@ -210,7 +211,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         if n > 1 and has_bias:  # concatenated and their column sums taken in one pass
             grad_y, bias_sums = concat_with_column_sum(grads)  # [s*b, sum out]
         else:
-            grad_y = _rows(grads[0]).contiguous() if n == 1 else torch.cat([_rows(g) for g in grads], dim=-1)
+            grad_y = _rows(grads[0]).contiguous() if n == 1 else concat_rows(grads)  # no copy if already one buffer
         with _no_autocast(x_saved):
             gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False)  # beside the GEMMs
             pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
