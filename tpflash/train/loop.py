@@ -276,14 +276,16 @@ class Trainer:
                     out.log(self.step, last)
                 tracer.after_step(self.step)
                 if self._is_every(cfg.train.eval_interval):
-                    out.log(self.step, {"eval_loss": self.evaluate()}, kind="eval")
+                    with meter.paused(self.device):  # tokens/s is the training's: eval and saves left out
+                        out.log(self.step, {"eval_loss": self.evaluate()}, kind="eval")
                 out.advance(self.step, {"loss": last.get("loss", float("nan"))})
                 if stop.agreed():
                     out.note(f"SIGTERM: saving step {self.step} and exiting")
                     self.save()
                     return last
                 if self._is_every(cfg.checkpoint.interval):
-                    self.save(final=False)
+                    with meter.paused(self.device):
+                        self.save(final=False)
             eval_loss = self.evaluate()
             if eval_loss is not None:
                 last["eval_loss"] = eval_loss

@@ -5,6 +5,7 @@ over the ranks that contribute to it (the trainer does that).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -39,7 +40,8 @@ def memory_gb(device: torch.device) -> Dict[str, float]:
 
 
 class Throughput:
-    """Tokens/s and MFU over the steps since the last `read()`.
+    """Tokens/s and MFU over the training time since the last `read()`: time spent inside `paused()`
+    (evaluation, checkpoints) is left out, so the rate is the training's own.
 
     flops_per_token: training FLOPs per token of the whole model (forward + backward);
     peak: one device's peak FLOP/s; world: devices the tokens were spread over.
@@ -47,15 +49,27 @@ class Throughput:
 
     def __init__(self, flops_per_token: float, peak: float, world: int):
         self.flops_per_token, self.peak, self.world = flops_per_token, peak, world
-        self._t0, self._tokens = time.perf_counter(), 0
+        self._t0, self._tokens, self._paused_s = time.perf_counter(), 0, 0.0
 
     def add(self, tokens: int) -> None:
         self._tokens += tokens
 
+    @contextlib.contextmanager
+    def paused(self, device: Optional[torch.device] = None):
+        """Leave the time of the enclosed work out of the rate. On CUDA the training steps the host
+        queued are waited for first, so that their time still counts as training."""
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - start
+
     def read(self) -> Dict[str, float]:
         now = time.perf_counter()
-        rate = self._tokens / max(now - self._t0, 1e-9)
-        self._t0, self._tokens = now, 0
+        rate = self._tokens / max(now - self._t0 - self._paused_s, 1e-9)
+        self._t0, self._tokens, self._paused_s = now, 0, 0.0
         out = {"tokens_per_s": rate}
         if self.peak > 0 and self.flops_per_token > 0:
             out["mfu"] = rate * self.flops_per_token / (self.peak * self.world)
