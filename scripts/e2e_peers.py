@@ -112,9 +112,11 @@ class PlainLlama(PlainGPT):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
         self.step_context = contextlib.nullcontext
+        self.copy_embedding = False  # set under DTensor TP (dtensor_tp says why)
 
     def forward(self, idx, targets):
         x = self.tok(idx)
+        x = x.clone() if self.copy_embedding else x
         cos, sin = self.cos[:idx.shape[1]], self.sin[:idx.shape[1]]
         for block in self.blocks:
             x = block(x, cos, sin)
@@ -152,6 +154,8 @@ def dtensor_tp(model: PlainGPT, mesh) -> PlainGPT:
         plan.update({"fc": ColwiseParallel(input_layouts=Shard(1)), "proj": RowwiseParallel(output_layouts=Shard(1))})
     for block in model.blocks:
         parallelize_module(block, mesh, plan)
+    if llama:  # a compiled block fed to_local's output as it is gets a plain-tensor gradient in DTensor's
+        model.copy_embedding = True  # Redistribute backward (AttributeError _local_tensor; torch 2.13, CPU)
     model.step_context = loss_parallel
     return model
 
