@@ -56,9 +56,14 @@ def comm_and_exposed(kernels: Iterable[Tuple[str, float, float]]) -> Tuple[float
     return length(comm_u), length(minus(comm_u, union(compute)))
 
 
-# Kernel name fragments -> category, first match wins (names from cuBLAS, cuDNN, NCCL, Triton, ATen).
+# Kernel name fragments -> category, first match wins (names from cuBLAS, cuDNN, NCCL, Triton, ATen,
+# the profiler's copy records, and symmetric memory's barrier kernel).
 CATEGORIES = (
     ("comm", ("nccl",)),
+    ("copy engine", ("memcpy ptop",)),  # peer-to-peer pushes of the copy-engine overlap, beside compute
+    ("barrier", ("barrier",)),  # the peer collectives' device-side barriers
+    ("weight cast", ("copyfunctor",)),  # multi-tensor fp32 -> bf16 casts (before "multi_tensor" below)
+    ("copy/memset", ("memcpy", "memset")),
     ("attention", ("flash", "fmha", "attn", "cudnn", "sdpa", "_delta_kernel")),
     ("gemm", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "_mm_")),
     ("norm", ("norm",)),
@@ -86,6 +91,26 @@ def kernel_breakdown(kernels: Iterable[Tuple[str, float, float]], steps: int = 1
         per_name[name] = per_name.get(name, 0.0) + (end - start) / steps
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
     return {"by_category": dict(sorted(per_cat.items(), key=lambda kv: -kv[1])), "top_kernels": ranked}
+
+
+def alone_by_category(kernels: Iterable[Tuple[str, float, float]], steps: int = 1) -> dict:
+    """How the span from the first kernel's start to the last one's end was spent, per step: the time
+    each category ran with no other category beside it (what it alone kept the step waiting for),
+    "overlapped" (two or more categories at once) and "idle" (nothing ran)."""
+    edges = []
+    for name, start, end in kernels:
+        cat = category(name)
+        edges += [(start, 1, cat), (end, -1, cat)]
+    edges.sort(key=lambda e: (e[0], e[1]))  # at one instant, ends before starts
+    running, out, prev = {}, {"overlapped": 0.0, "idle": 0.0}, None
+    for t, delta, cat in edges:
+        if prev is not None and t > prev:
+            active = [c for c, n in running.items() if n > 0]
+            key = active[0] if len(active) == 1 else ("idle" if not active else "overlapped")
+            out[key] = out.get(key, 0.0) + (t - prev) / steps
+        running[cat] = running.get(cat, 0) + delta
+        prev = t
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _cuda_kernels(prof) -> List[Tuple[str, float, float]]:
@@ -152,6 +177,8 @@ def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2, trace: st
     busy = sum(breakdown["by_category"].values())
     print(f"[profile] GPU busy {busy:.1f} ms/step (active {active:.1f}, {len(kernels) // steps} kernels) "
           "by category: " + ", ".join(f"{c} {t:.1f}" for c, t in breakdown["by_category"].items()), flush=True)
+    alone = alone_by_category([(n, s / 1e3, e / 1e3) for n, s, e in kernels], steps)
+    print("[profile] ms/step by what ran alone: " + ", ".join(f"{c} {t:.1f}" for c, t in alone.items()), flush=True)
     for name, t in breakdown["top_kernels"]:
         print(f"[profile]   {t:7.2f} ms  {name[:170]}", flush=True)
     host = host_breakdown(prof, steps)

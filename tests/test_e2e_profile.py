@@ -3,7 +3,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from e2e_profile import category, comm_and_exposed, kernel_breakdown, minus, union  # noqa: E402
+from e2e_profile import alone_by_category, category, comm_and_exposed, kernel_breakdown, minus, union  # noqa: E402
 
 
 def test_union_merges_overlapping_and_touching_intervals():
@@ -29,6 +29,22 @@ def test_kernel_breakdown_sums_time_per_category_per_step():
     assert out["by_category"] == {"gemm": 6.0, "comm": 2.0, "norm": 0.5, "other": 0.5}
     assert out["top_kernels"][0] == ("sm90_xmma_gemm_bf16", 6.0)
     assert category("cudnn_generated_fort_native_sdpa_sm90") == "attention"
+
+
+def test_copies_barriers_and_weight_casts_have_their_own_categories():
+    assert category("Memcpy PtoP (Device -> Device)") == "copy engine"
+    assert category("void c10d::symmetric_memory::barrier_kernel(...)") == "barrier"
+    assert category("multi_tensor_apply_kernel<TensorListMetadata<2>, CopyFunctor<c10::BFloat16, float>>") == "weight cast"
+    assert category("multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>") == "optimizer"
+    assert category("Memset (Device)") == "copy/memset"
+
+
+def test_alone_by_category_splits_the_span_into_solo_overlapped_and_idle_time():
+    kernels = [("nvjet_gemm", 0, 10), ("Memcpy PtoP (Device -> Device)", 6, 14), ("barrier_kernel", 14, 15),
+               ("nvjet_gemm", 17, 21)]
+    out = alone_by_category(kernels, steps=2)
+    # gemm alone [0,6) + [17,21); copy alone [10,14); overlapped [6,10); barrier [14,15); idle [15,17)
+    assert out == {"gemm": 5.0, "copy engine": 2.0, "overlapped": 2.0, "barrier": 0.5, "idle": 1.0}
 
 
 def test_trace_lag_finds_idle_gaps_and_the_launching_op():
