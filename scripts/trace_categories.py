@@ -7,21 +7,14 @@ with the kernels of the categories asked for listed by time. Runs on CPU over a 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 
 from e2e_profile import alone_by_category, category, kernel_breakdown
-
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+from trace_lag import GPU_CATS, load
 
 
 def device_events(path: str):
     """(name, start_ms, end_ms) of every kernel, copy and memset in the trace."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    return [(e["name"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in events
-            if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e]
+    return [(e["name"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in load(path) if e.get("cat") in GPU_CATS]
 
 
 def main(argv=None) -> None:

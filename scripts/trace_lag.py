@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 import json
 import statistics
 from typing import Dict, List, Tuple
@@ -21,7 +22,8 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def load(path: str) -> List[dict]:
-    with open(path) as f:
+    """The complete ("X") events of a chrome trace, .json or .json.gz."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
