@@ -1,219 +1,204 @@
-"""Hugging Face import/export: GPT2LMHeadModel and LlamaForCausalLM <-> tpflash GPT.
+"""Hugging Face tensor names <-> tpflash GPT state-dict keys, and in-memory from_hf/to_hf.
 
-Conversion goes through the *full* (unsharded) state dict: `from_hf` maps the HF tensors to
-tpflash keys and each rank keeps its shard (load_full_state_dict, no communication);
-`to_hf` gathers the full tensors (full_state_dict, a collective) and maps them back.
-GPT-2's Conv1D layers store weights as [in, out] (y = x W + b): they are transposed to
-nn.Linear's [out, in], and its fused c_attn ([hidden, 3*hidden]) is split into q, k, v.
+`hf_sources(cfg, keys)` says, for every tpflash key, which Hugging Face tensor holds it and how:
+most are the HF tensor as is; GPT-2's Conv1D layers store [in, out] (y = x W + b) and are
+transposed to nn.Linear's [out, in], and its fused c_attn ([hidden, 3*hidden]) holds q, k, v as
+three row blocks after the transpose. Both the in-memory conversion here and the streaming
+load/export (tpflash.models.pretrained) read this one mapping.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from ..parallel import full_state_dict, load_full_state_dict
 from .config import GPTConfig
 from .gpt import GPT
+from .hf_config import config_from_hf_dict, family, hf_config_dict
 
 StateDict = Dict[str, torch.Tensor]
-_GPT2_ACT = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact", "relu": "relu"}
-_LLAMA_NAMES = {  # tpflash block key -> Llama decoder-layer key
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """Where a tpflash tensor lives in a Hugging Face checkpoint: tensor `key`, transposed first when
+    `transpose` (GPT-2 Conv1D), then row block `part` = (i, n) of n equal blocks along dim 0 (GPT-2's
+    fused q|k|v), else the whole tensor."""
+
+    key: str
+    transpose: bool = False
+    part: Optional[Tuple[int, int]] = None
+
+    def take(self, hf: torch.Tensor) -> torch.Tensor:
+        """The tpflash tensor from the whole HF tensor."""
+        t = hf.t() if self.transpose else hf
+        if self.part is not None:
+            i, n = self.part
+            t = t.chunk(n, dim=0)[i]
+        return t
+
+    def box(self, rows: Tuple[int, int], hf_shape: Tuple[int, ...], cols: Optional[Tuple[int, int]] = None):
+        """The slices of the HF tensor that hold rows [r0, r1) (and columns [c0, c1) of a matrix) of
+        the tpflash tensor: (slices in the HF tensor's own dim order, transpose after reading)."""
+        r0, r1 = rows
+        if self.part is not None:
+            i, n = self.part
+            length = (hf_shape[1] if self.transpose else hf_shape[0]) // n
+            r0, r1 = r0 + i * length, r1 + i * length
+        row_slice = slice(r0, r1)
+        if len(hf_shape) == 1:
+            return (row_slice,), False
+        col_slice = slice(*cols) if cols is not None else slice(None)
+        return ((col_slice, row_slice), True) if self.transpose else ((row_slice, col_slice), False)
+
+
+# tpflash block key -> Llama/Mistral/Qwen decoder-layer key
+_LLAMA_NAMES = {
     "attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
     **{f"attn.{p}_proj.{w}": f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")},
+    **{f"attn.{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in "qk"},  # Qwen3's per-head q/k RMSNorm
     **{f"mlp.{p}_proj.{w}": f"mlp.{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias")},
 }
+_LLAMA_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+_GPT2_TOP = {"tok_embeddings.weight": "transformer.wte.weight", "pos_embeddings.weight": "transformer.wpe.weight",
+             "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
+             "lm_head.weight": "lm_head.weight"}
+_GPT2_NAMES = {  # tpflash block key -> (GPT-2 block key, transpose, part)
+    "attn_norm.weight": ("ln_1.weight", False, None), "attn_norm.bias": ("ln_1.bias", False, None),
+    **{f"attn.{p}_proj.weight": ("attn.c_attn.weight", True, (i, 3)) for i, p in enumerate("qkv")},
+    **{f"attn.{p}_proj.bias": ("attn.c_attn.bias", False, (i, 3)) for i, p in enumerate("qkv")},
+    "attn.o_proj.weight": ("attn.c_proj.weight", True, None), "attn.o_proj.bias": ("attn.c_proj.bias", False, None),
+    "mlp_norm.weight": ("ln_2.weight", False, None), "mlp_norm.bias": ("ln_2.bias", False, None),
+    "mlp.up_proj.weight": ("mlp.c_fc.weight", True, None), "mlp.up_proj.bias": ("mlp.c_fc.bias", False, None),
+    "mlp.down_proj.weight": ("mlp.c_proj.weight", True, None), "mlp.down_proj.bias": ("mlp.c_proj.bias", False, None),
+}
+_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 
 
-def _family(model_type: str) -> str:
-    if model_type not in ("gpt2", "llama"):
-        raise ValueError(f"model_type={model_type!r} is not supported; from_hf/to_hf handle 'gpt2' and 'llama'")
-    return model_type
+def _source(fam: str, key: str) -> HFSource:
+    match = _BLOCK.fullmatch(key)
+    if match is None:
+        top = _GPT2_TOP if fam == "gpt2" else _LLAMA_TOP
+        if key not in top:
+            raise KeyError(f"{key}: no Hugging Face {fam} tensor holds it")
+        return HFSource(top[key])
+    i, rest = match.groups()
+    if fam == "gpt2":
+        if rest not in _GPT2_NAMES:
+            raise KeyError(f"{key}: no Hugging Face gpt2 tensor holds it")
+        name, transpose, part = _GPT2_NAMES[rest]
+        return HFSource(f"transformer.h.{i}.{name}", transpose, part)
+    if rest not in _LLAMA_NAMES:
+        raise KeyError(f"{key}: no Hugging Face {fam} tensor holds it")
+    return HFSource(f"model.layers.{i}.{_LLAMA_NAMES[rest]}")
 
 
-# ---- configs --------------------------------------------------------------------------------------
-def _gpt2_config(c) -> GPTConfig:
-    if c.activation_function not in _GPT2_ACT:
-        raise ValueError(f"activation_function={c.activation_function!r} must be one of {sorted(_GPT2_ACT)}")
-    if not c.scale_attn_weights or c.scale_attn_by_inverse_layer_idx:
-        raise ValueError("only GPT-2 attention scaled by 1/sqrt(head_dim) is supported (scale_attn_weights=True, "
-                         "scale_attn_by_inverse_layer_idx=False)")
-    return GPTConfig(vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
-                     n_embd=c.n_embd, ffn_hidden=c.n_inner or 4 * c.n_embd, mlp=_GPT2_ACT[c.activation_function],
-                     norm="layernorm", position="learned", tie_embeddings=c.tie_word_embeddings, bias=True,
-                     norm_eps=c.layer_norm_epsilon)
+def hf_family(cfg: GPTConfig) -> str:
+    """"gpt2" or "llama": the tensor-name family of this config's Hugging Face model."""
+    return family(hf_config_dict(cfg)["model_type"])
 
 
-def _rope_theta(c) -> float:
-    params = getattr(c, "rope_parameters", None) or {}
-    scaling = getattr(c, "rope_scaling", None) or {}
-    kind = params.get("rope_type", scaling.get("rope_type", "default"))
-    if kind != "default":
-        raise ValueError(f"rope_type={kind!r} is not supported (only 'default' rotary embeddings)")
-    return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+def hf_sources(cfg: GPTConfig, keys: Iterable[str]) -> Dict[str, HFSource]:
+    """{tpflash key: its HFSource} for the given keys of a model of config `cfg` (e.g. the keys of
+    `model.state_dict()`; non-persistent buffers are not among them)."""
+    fam = hf_family(cfg)
+    return {key: _source(fam, key) for key in keys}
 
 
-def _llama_config(c) -> GPTConfig:
-    if c.hidden_act != "silu":
-        raise ValueError(f"hidden_act={c.hidden_act!r} must be 'silu' (SwiGLU)")
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    if head_dim * c.num_attention_heads != c.hidden_size:
-        raise ValueError(f"head_dim={head_dim} must equal hidden_size/num_attention_heads="
-                         f"{c.hidden_size}/{c.num_attention_heads}")
-    if c.attention_bias != getattr(c, "mlp_bias", False):
-        raise ValueError(f"attention_bias={c.attention_bias} and mlp_bias={c.mlp_bias} must be equal")
-    return GPTConfig(vocab_size=c.vocab_size, block_size=c.max_position_embeddings, n_layer=c.num_hidden_layers,
-                     n_head=c.num_attention_heads, n_embd=c.hidden_size, n_kv_head=c.num_key_value_heads,
-                     ffn_hidden=c.intermediate_size, mlp="swiglu", norm="rmsnorm", position="rotary",
-                     tie_embeddings=c.tie_word_embeddings, bias=c.attention_bias, norm_eps=c.rms_norm_eps,
-                     rope_theta=_rope_theta(c))
+def hf_tensor_names(cfg: GPTConfig, keys: Iterable[str]) -> Dict[str, List[Tuple[str, HFSource]]]:
+    """{HF tensor name: [(tpflash key, source), ...]} in the order the tpflash keys come, for export:
+    an HF tensor with several parts is the concatenation of its parts along dim 0 (then transposed).
+    A tied model writes no lm_head.weight (transformers' save_pretrained drops tied weights too)."""
+    out: Dict[str, List[Tuple[str, HFSource]]] = defaultdict(list)
+    for key, src in hf_sources(cfg, keys).items():
+        out[src.key].append((key, src))
+    for parts in out.values():
+        parts.sort(key=lambda ks: ks[1].part or (0, 1))
+    return dict(out)
 
 
-def _hf_config(cfg: GPTConfig):
-    """The transformers config (GPT2Config or LlamaConfig) of a tpflash config."""
-    import transformers
-
-    if cfg.position == "learned" and cfg.norm == "layernorm" and cfg.mlp != "swiglu" and cfg.bias and \
-            cfg.kv_heads == cfg.n_head:
-        act = {v: k for k, v in _GPT2_ACT.items() if k != "gelu_pytorch_tanh"}[cfg.mlp]
-        return transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
-                                       n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.ffn_dim,
-                                       activation_function=act, layer_norm_epsilon=cfg.norm_eps,
-                                       resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=0.0,
-                                       tie_word_embeddings=cfg.tie_embeddings)
-    if cfg.position == "rotary" and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu":
-        return transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
-                                        intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layer,
-                                        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-                                        max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
-                                        rope_theta=cfg.rope_theta, attention_bias=cfg.bias, mlp_bias=cfg.bias,
-                                        tie_word_embeddings=cfg.tie_embeddings)
-    raise ValueError("this GPTConfig is neither GPT-2 shaped (learned positions, LayerNorm, GELU/ReLU, biases, "
-                     "no GQA) nor Llama shaped (rotary, RMSNorm, SwiGLU)")
+def hf_tensor(parts: List[Tuple[str, HFSource]], tensors: StateDict) -> torch.Tensor:
+    """One HF tensor from the full tpflash tensors of its parts (see hf_tensor_names)."""
+    pieces = [tensors[key] for key, _ in parts]
+    t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    return (t.t() if parts[0][1].transpose else t).contiguous()
 
 
-# ---- state dicts ----------------------------------------------------------------------------------
-def _gpt2_to_tpflash(hf: StateDict, cfg: GPTConfig) -> StateDict:
-    t = {k.removeprefix("transformer."): v for k, v in hf.items()}
-    out = {"tok_embeddings.weight": t["wte.weight"], "pos_embeddings.weight": t["wpe.weight"],
-           "final_norm.weight": t["ln_f.weight"], "final_norm.bias": t["ln_f.bias"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = hf["lm_head.weight"]
-    for i in range(cfg.n_layer):
-        h, b = f"h.{i}.", f"blocks.{i}."
-        q, k, v = t[h + "attn.c_attn.weight"].t().chunk(3, dim=0)  # Conv1D [in, 3*out] -> 3 x [out, in]
-        qb, kb, vb = t[h + "attn.c_attn.bias"].chunk(3)
-        out.update({
-            b + "attn_norm.weight": t[h + "ln_1.weight"], b + "attn_norm.bias": t[h + "ln_1.bias"],
-            b + "attn.q_proj.weight": q, b + "attn.k_proj.weight": k, b + "attn.v_proj.weight": v,
-            b + "attn.q_proj.bias": qb, b + "attn.k_proj.bias": kb, b + "attn.v_proj.bias": vb,
-            b + "attn.o_proj.weight": t[h + "attn.c_proj.weight"].t(), b + "attn.o_proj.bias": t[h + "attn.c_proj.bias"],
-            b + "mlp_norm.weight": t[h + "ln_2.weight"], b + "mlp_norm.bias": t[h + "ln_2.bias"],
-            b + "mlp.up_proj.weight": t[h + "mlp.c_fc.weight"].t(), b + "mlp.up_proj.bias": t[h + "mlp.c_fc.bias"],
-            b + "mlp.down_proj.weight": t[h + "mlp.c_proj.weight"].t(),
-            b + "mlp.down_proj.bias": t[h + "mlp.c_proj.bias"],
-        })
-    return {k: v.contiguous() for k, v in out.items()}
+def to_tpflash_state_dict(hf: StateDict, cfg: GPTConfig, keys: Iterable[str]) -> StateDict:
+    """The full tpflash state dict (the given keys) from a full HF state dict."""
+    def lookup(name):
+        return hf[name] if name in hf else hf[name.removeprefix("transformer.")]
+    return {key: src.take(lookup(src.key)).contiguous() for key, src in hf_sources(cfg, keys).items()}
 
 
-def _tpflash_to_gpt2(sd: StateDict, cfg: GPTConfig) -> StateDict:
-    out = {"transformer.wte.weight": sd["tok_embeddings.weight"], "transformer.wpe.weight": sd["pos_embeddings.weight"],
-           "transformer.ln_f.weight": sd["final_norm.weight"], "transformer.ln_f.bias": sd["final_norm.bias"],
-           "lm_head.weight": sd.get("lm_head.weight", sd["tok_embeddings.weight"])}
-    for i in range(cfg.n_layer):
-        h, b = f"transformer.h.{i}.", f"blocks.{i}."
-        qkv = torch.cat([sd[b + f"attn.{p}_proj.weight"] for p in "qkv"], dim=0)
-        out.update({
-            h + "ln_1.weight": sd[b + "attn_norm.weight"], h + "ln_1.bias": sd[b + "attn_norm.bias"],
-            h + "attn.c_attn.weight": qkv.t(), h + "attn.c_attn.bias": torch.cat([sd[b + f"attn.{p}_proj.bias"]
-                                                                                  for p in "qkv"]),
-            h + "attn.c_proj.weight": sd[b + "attn.o_proj.weight"].t(), h + "attn.c_proj.bias": sd[b + "attn.o_proj.bias"],
-            h + "ln_2.weight": sd[b + "mlp_norm.weight"], h + "ln_2.bias": sd[b + "mlp_norm.bias"],
-            h + "mlp.c_fc.weight": sd[b + "mlp.up_proj.weight"].t(), h + "mlp.c_fc.bias": sd[b + "mlp.up_proj.bias"],
-            h + "mlp.c_proj.weight": sd[b + "mlp.down_proj.weight"].t(), h + "mlp.c_proj.bias": sd[b + "mlp.down_proj.bias"],
-        })
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def _llama_key_map(cfg: GPTConfig) -> Dict[str, str]:
-    """tpflash key -> Llama key, for every tensor of this config."""
-    keys = {"tok_embeddings.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        keys["lm_head.weight"] = "lm_head.weight"
-    for i in range(cfg.n_layer):
-        for ours, theirs in _LLAMA_NAMES.items():
-            if ours.endswith("bias") and not cfg.bias:
-                continue
-            keys[f"blocks.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-    return keys
-
-
-def _llama_to_tpflash(hf: StateDict, cfg: GPTConfig) -> StateDict:
-    return {ours: hf[theirs] for ours, theirs in _llama_key_map(cfg).items()}
-
-
-def _tpflash_to_llama(sd: StateDict, cfg: GPTConfig) -> StateDict:
-    out = {theirs: sd[ours] for ours, theirs in _llama_key_map(cfg).items()}
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["tok_embeddings.weight"]
+def to_hf_state_dict(full: StateDict, cfg: GPTConfig) -> StateDict:
+    """The full HF state dict from a full tpflash one (lm_head.weight included, tied or not)."""
+    out = {name: hf_tensor(parts, full) for name, parts in hf_tensor_names(cfg, full.keys()).items()}
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = out[_source(hf_family(cfg), "tok_embeddings.weight").key]
     return out
 
 
-_CONFIG: Dict[str, Callable] = {"gpt2": _gpt2_config, "llama": _llama_config}
-_IMPORT: Dict[str, Callable] = {"gpt2": _gpt2_to_tpflash, "llama": _llama_to_tpflash}
-_EXPORT: Dict[str, Callable] = {"gpt2": _tpflash_to_gpt2, "llama": _tpflash_to_llama}
+# ---- in-memory conversion of transformers models --------------------------------------------------
+def config_from_hf(hf_config) -> GPTConfig:
+    """The GPTConfig of a transformers config object (ValueError for unsupported types or fields)."""
+    return config_from_hf_dict(hf_config.to_dict())
 
 
-# ---- public ---------------------------------------------------------------------------------------
-def from_hf(hf_model, process_group=None, sequence_parallel: bool = False, **overrides) -> GPT:
-    """A tpflash GPT with the weights of a transformers GPT2LMHeadModel or LlamaForCausalLM, sharded
-    for `process_group` (default: the default tp group, or tp=1). `overrides` replace GPTConfig
-    fields (e.g. dropout, activation_checkpointing). The model gets the HF weights' dtype, on CPU.
-    No communication: every rank must hold the same HF model (e.g. loaded from the same files).
-    """
-    family = _family(hf_model.config.model_type)
-    cfg = dataclasses.replace(_CONFIG[family](hf_model.config), sequence_parallel=sequence_parallel, **overrides)
-    dtype = next(hf_model.parameters()).dtype
-    with torch.device("meta"):  # skip the random init; every tensor is loaded below
+def _meta_model(cfg: GPTConfig, process_group, dtype) -> GPT:
+    with torch.device("meta"):  # skip the random init; every tensor is loaded afterwards
         model = GPT(cfg, process_group=process_group, dtype=dtype)
-    model.to_empty(device="cpu")
-    load_full_state_dict(model, _IMPORT[family]({k: v.detach().cpu() for k, v in hf_model.state_dict().items()}, cfg))
+    return model.to_empty(device="cpu")
+
+
+def from_hf(hf_model, process_group=None, sequence_parallel: bool = False, **overrides) -> GPT:
+    """A tpflash GPT with the weights of an in-memory transformers causal LM (see hf_config for the
+    supported model types), sharded for `process_group` (default: the default tp group, or tp=1).
+    `overrides` replace GPTConfig fields (e.g. dropout). The model gets the HF weights' dtype, on CPU.
+    No communication: every rank must hold the same HF model. To load from files without building a
+    transformers model on every rank, use tpflash.models.from_pretrained (streaming, per-rank slices).
+    """
+    cfg = dataclasses.replace(config_from_hf(hf_model.config), sequence_parallel=sequence_parallel, **overrides)
+    model = _meta_model(cfg, process_group, next(hf_model.parameters()).dtype)
+    hf = {k: v.detach().cpu() for k, v in hf_model.state_dict().items()}
+    load_full_state_dict(model, to_tpflash_state_dict(hf, cfg, model.state_dict().keys()))
     return model
 
 
-def config_from_hf(hf_config) -> GPTConfig:
-    """The GPTConfig of a transformers GPT2Config or LlamaConfig (ValueError for other model types)."""
-    return _CONFIG[_family(hf_config.model_type)](hf_config)
-
-
-def load_hf_weights(model: GPT, hf_dir: str) -> None:
-    """Copy the weights of the Hugging Face model saved in `hf_dir` (GPT-2 or Llama, local files only)
-    into `model`, a GPT built from `config_from_hf` of the same config (shape-changing overrides
-    raise ValueError naming the tensor). Each rank reads the files and keeps its own shard: no
-    communication. The tensors keep the model's dtype and device."""
+def hf_transformers_config(cfg: GPTConfig):
+    """The transformers config object of a tpflash config."""
     import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True)
-    family = _family(hf.config.model_type)
-    load_full_state_dict(model, _IMPORT[family]({k: v.detach() for k, v in hf.state_dict().items()}, model.config))
+    d = hf_config_dict(cfg)
+    return transformers.AutoConfig.for_model(**d)
 
 
 def to_hf(model: GPT):
-    """The transformers model (GPT2LMHeadModel or LlamaForCausalLM, on CPU, the model's dtype)
-    holding `model`'s full weights. Collective over the model's tp group: call on all its ranks."""
+    """The transformers model (on CPU, the model's dtype) holding `model`'s full weights.
+    Collective over the model's tp group (and dp group under FSDP): call on all its ranks."""
     import transformers
 
     cfg = model.config
-    hf_config = _hf_config(cfg)
     full = full_state_dict(model, device=torch.device("cpu"))
-    family = _family(hf_config.model_type)
-    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
-    dtype = next(model.parameters()).dtype
-    hf = cls(hf_config).to(dtype)
-    missing, unexpected = hf.load_state_dict(_EXPORT[family](full, cfg), strict=False)
-    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    dtype = next(iter(full.values())).dtype
+    hf = transformers.AutoModelForCausalLM.from_config(hf_transformers_config(cfg)).to(dtype)
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(full, cfg), strict=False)
+    missing = [k for k in missing if not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias")]
     if missing or unexpected:
         raise RuntimeError(f"to_hf: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
     if cfg.tie_embeddings:
         hf.tie_weights()
     return hf.eval()
+
+
+def load_hf_weights(model: GPT, hf_dir: str) -> None:
+    """Copy the weights of the Hugging Face model saved in `hf_dir` into `model` (built from its config)."""
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True)
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    load_full_state_dict(model, to_tpflash_state_dict(sd, model.config, model.state_dict().keys()))
