@@ -1,4 +1,4 @@
-"""Vocabulary-parallel embedding: the embedding table's rows split over the tp group."""
+"""Tensor-parallel embeddings: the table's rows (vocabulary) or columns (embedding features) split over tp."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..parallel import comm
-from ..parallel.sharding import ShardSpec
+from ..parallel.sharding import ShardSpec, take_shards
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 
 
@@ -56,6 +56,17 @@ class VocabParallelEmbedding(nn.Module):
         local_pad = None if padding_idx is None else padding_idx - self.vocab_start
         self._local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.rows_per_rank else None
 
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
+        """The vocabulary-parallel form of an existing nn.Embedding: this rank keeps its (padded) rows
+        of embedding's table, with no new initialisation. kwargs: the constructor's options
+        (process_group, sequence_parallel, seq_dim, check_ids)."""
+        _check_plain(embedding)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, device="meta",
+                    dtype=embedding.weight.dtype, **kwargs)
+        take_shards(layer, {"weight": embedding.weight})
+        return layer
+
     def _validate(self, ids: torch.Tensor) -> None:
         check = self.check_ids if self.check_ids is not None else ids.device.type == "cpu"
         if check and ids.numel() > 0:
@@ -80,3 +91,65 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, padded={self.num_embeddings_padded}, "
                 f"tp={group_size(self.process_group)}")
+
+
+def _check_plain(embedding: nn.Embedding) -> None:
+    """ValueError for nn.Embedding options the parallel embeddings do not implement."""
+    unsupported = [name for name, value in (("max_norm", embedding.max_norm), ("sparse", embedding.sparse),
+                                            ("scale_grad_by_freq", embedding.scale_grad_by_freq)) if value]
+    if unsupported:
+        raise ValueError(f"nn.Embedding with {', '.join(unsupported)} has no tensor-parallel form")
+
+
+class ColumnParallelEmbedding(nn.Module):
+    """nn.Embedding(num_embeddings, embedding_dim) with the embedding features (columns) split over tp.
+
+    Rank r holds columns [r*c, (r+1)*c) of the table, c = ceil(embedding_dim/tp), the last rank(s)
+    zero-padded. Input ids: [*] (replicated over tp). Output: [*, embedding_dim], all-gathered over
+    tp (the padding columns stripped); with sequence_parallel, this rank's chunk along `seq_dim`.
+    Process group: `process_group`, else the default state's tp group, else none (tp=1).
+    Built from an existing table by `from_embedding` (the tensor-parallel `parallelize` uses it).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 process_group=None, *, sequence_parallel: bool = False, seq_dim: int = 0,
+                 init_method: Optional[Callable] = None, device=None, dtype=None):
+        super().__init__()
+        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
+            raise ValueError(f"padding_idx={padding_idx} is outside [0, {num_embeddings})")
+        self.process_group = resolve_tp_group(process_group)
+        tp, rank = group_size(self.process_group), group_rank(self.process_group)
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
+        self.tp_shard_specs = {"weight": ShardSpec(1, embedding_dim)}
+        full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        (init_method or nn.init.normal_)(full)  # nn.Embedding's draws for the same RNG state
+        if padding_idx is not None:
+            with torch.no_grad():
+                full[padding_idx].zero_()
+        self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(full, rank, tp))
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> "ColumnParallelEmbedding":
+        """The column-parallel form of an existing nn.Embedding: this rank keeps its (padded) columns
+        of embedding's table, with no new initialisation. kwargs: the constructor's options
+        (process_group, sequence_parallel, seq_dim)."""
+        _check_plain(embedding)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, device="meta",
+                    dtype=embedding.weight.dtype, **kwargs)
+        take_shards(layer, {"weight": embedding.weight})
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(ids, self.weight, self.padding_idx)  # [*, c]
+        if group_size(self.process_group) == 1:
+            return out
+        # gather's backward keeps this rank's columns of the (replicated) gradient; the narrow's gives the
+        # padding columns a zero gradient, so they stay zero
+        out = comm.gather_along_dim(out, -1, self.process_group).narrow(-1, 0, self.embedding_dim)
+        if self.sequence_parallel:
+            out = comm.split_along_dim(out, self.seq_dim, self.process_group)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={group_size(self.process_group)}, columns split"

@@ -6,6 +6,12 @@ features: each rank computes a partial sum that is all-reduced (or reduce-scatte
 the sequence under sequence parallelism). A Column -> Row pair is a tensor-parallel MLP with
 one collective in each direction.
 
+Widths that do not divide by tp are padded the way the vocabulary is (sharding.ShardSpec): each
+rank holds ceil(width/tp) features, the last rank(s) zero-padded. A padded ColumnParallelLinear's
+padding outputs are zero and get no gradient (gather_output strips them); a padded
+RowParallelLinear ignores its padding inputs (they are zeroed, whatever they hold), so
+column -> any activation -> row computes exactly what the unpadded layers compute.
+
 Sequence-parallel activations are sequence-first, [seq/tp, batch, hidden]: gathering dim 0
 is one contiguous collective with no copy (the layers take `seq_dim` for other layouts).
 
@@ -22,9 +28,10 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..parallel import comm, overlap as _overlap
-from ..parallel.sharding import ShardSpec
+from ..parallel.sharding import ShardSpec, take_shards
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 from .autocast_linear import add_bias, linear, linears
 
@@ -49,9 +56,17 @@ def init_linear_full(out_features: int, in_features: int, bias: bool, init_metho
     return weight, b
 
 
-def _check_divisible(name: str, value: int, tp: int) -> None:
-    if value % tp != 0:
-        raise ValueError(f"{name}={value} is not divisible by tp={tp}")
+def _zero_padding(x: torch.Tensor, real: int) -> torch.Tensor:
+    """x [*, n] with its last n - real features set to zero; their gradient is zero too (an activation
+    f with f(0) != 0 leaves non-zero values in padding features, and a gradient there would move
+    the padding weights off zero). Only for padded layers: a copy of x."""
+    return F.pad(x.narrow(-1, 0, real), (0, x.shape[-1] - real))
+
+
+def _local_real(spec: ShardSpec, rank: int, tp: int) -> int:
+    """How many of this rank's ceil(full/tp) features are real (the rest is padding)."""
+    start, end = spec.local_range(rank, tp)
+    return end - start
 
 
 def _overlap_applies(sequence_parallel: bool, seq_dim: int, group, overlap: Optional[bool],
@@ -101,7 +116,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W [out_features, in_features] split by rows (output features) over tp.
 
     Input: [*, in_features], replicated over tp; or, with sequence_parallel, [seq/tp, *, in]
-    sharded along `seq_dim` (all-gathered here). Output: [*, out_features/tp] on each rank, or
+    sharded along `seq_dim` (all-gathered here). Output: [*, ceil(out_features/tp)] on each rank
+    (zero padding features at the end of the last rank(s) when tp does not divide out_features), or
     [*, out_features] with gather_output. Process group: `process_group`, else the default
     state's tp group, else none (tp=1, a plain nn.Linear). save_gathered_input (overlapped SP
     path only): keep the all-gathered input for the backward (True), gather it again there (False),
@@ -115,11 +131,12 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.process_group = resolve_tp_group(process_group)
         tp, rank = group_size(self.process_group), group_rank(self.process_group)
-        _check_divisible("out_features", out_features, tp)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
         self.overlap, self.save_gathered_input = overlap, save_gathered_input
         self.tp_shard_specs = {"weight": ShardSpec(0, out_features)}
+        self.padded = out_features % tp != 0  # same on every rank
+        self.local_real = _local_real(self.tp_shard_specs["weight"], rank, tp)  # real output features here
         weight, b = init_linear_full(out_features, in_features, bias, init_method, device, dtype)
         self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(weight, rank, tp))
         if bias:
@@ -128,11 +145,25 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
+        """The column-parallel form of an existing nn.Linear: this rank keeps its (padded) shard of
+        linear's weight and bias, with no new initialisation. kwargs: the constructor's options
+        (gather_output, sequence_parallel, process_group, seq_dim, overlap, save_gathered_input)."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                    dtype=linear.weight.dtype, **kwargs)
+        take_shards(layer, {"weight": linear.weight, "bias": linear.bias})
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, = column_parallel_linears(x, [self.weight], [self.bias], self.process_group, self.sequence_parallel,
                                      self.overlap, self.seq_dim, self.save_gathered_input)  # [*, out/tp]
         if self.gather_output:
             y = comm.gather_along_dim(y, -1, self.process_group)
+            if self.padded:  # the padding is at the end of the gathered features; its gradient is zero
+                y = y.narrow(-1, 0, self.out_features)
+        elif self.local_real < y.shape[-1]:
+            y = _zero_padding(y, self.local_real)  # values already zero: this drops their gradient
         return y
 
     def extra_repr(self) -> str:
@@ -144,8 +175,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W [out_features, in_features] split by columns (input features) over tp.
 
-    Input: [*, in_features/tp] (input_is_parallel, e.g. a ColumnParallelLinear's output) or
-    [*, in_features] replicated (split here). Output: [*, out_features] summed over tp, or, with
+    Input: [*, ceil(in_features/tp)] (input_is_parallel, e.g. a ColumnParallelLinear's output; the
+    features past the rank's real ones are padding and ignored) or [*, in_features] replicated
+    (padded to a multiple of tp and split here). Output: [*, out_features] summed over tp, or, with
     sequence_parallel, reduce-scattered along `seq_dim` to [seq/tp, *, out_features].
     The bias is replicated and added after the reduction (at tp=1, inside the GEMM).
     """
@@ -159,18 +191,34 @@ class RowParallelLinear(nn.Module):
                              "split over features)")
         self.process_group = resolve_tp_group(process_group)
         tp, rank = group_size(self.process_group), group_rank(self.process_group)
-        _check_divisible("in_features", in_features, tp)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel, self.seq_dim = input_is_parallel, sequence_parallel, seq_dim
         self.overlap = overlap
         self.tp_shard_specs = {"weight": ShardSpec(1, in_features)}
+        spec = self.tp_shard_specs["weight"]
+        self.padded_in_features = spec.chunk(tp) * tp  # in_features, or the next multiple of tp
+        self.local_real = _local_real(spec, rank, tp)  # real input features here
         weight, b = init_linear_full(out_features, in_features, bias, init_method, device, dtype)
-        self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(weight, rank, tp))
+        self.weight = nn.Parameter(spec.shard(weight, rank, tp))
         self.bias = nn.Parameter(b) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
+        """The row-parallel form of an existing nn.Linear: this rank keeps its (padded) shard of
+        linear's weight and the whole bias, with no new initialisation. kwargs: the constructor's
+        options (input_is_parallel, sequence_parallel, process_group, seq_dim, overlap)."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                    dtype=linear.weight.dtype, **kwargs)
+        take_shards(layer, {"weight": linear.weight, "bias": linear.bias})
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
+            if self.padded_in_features != self.in_features:  # [*, in] -> [*, padded]: zero padding features
+                x = F.pad(x, (0, self.padded_in_features - self.in_features))
             x = comm.split_along_dim(x, -1, self.process_group)
+        elif self.local_real < self.weight.shape[-1]:
+            x = _zero_padding(x, self.local_real)  # e.g. act(0) != 0 from a padded column layer
         if _pipelined(self, x):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
             return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp())
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue

@@ -54,6 +54,29 @@ class ShardSpec:
         return gathered.narrow(self.dim, 0, self.full_size)
 
 
+def take_shards(module: nn.Module, tensors: Mapping[str, Optional[torch.Tensor]]) -> None:
+    """Make `module`'s parameters this rank's shards of the given unsharded tensors ({name: tensor or
+    None}; the layout from module.tp_shard_specs over module.process_group), keeping their values,
+    dtype, device and requires_grad: no initialisation, no communication. A replicated tensor, or
+    any at tp=1, is kept as the same nn.Parameter; a shard is a copy, so that the full tensor is
+    not kept alive by a view of it."""
+    group = getattr(module, "process_group", None)
+    tp, rank = group_size(group), group_rank(group)
+    for name, full in tensors.items():
+        if full is None:
+            continue
+        spec = module.tp_shard_specs.get(name)
+        if spec is None or tp == 1:
+            param = full if isinstance(full, nn.Parameter) else nn.Parameter(full.detach(), full.requires_grad)
+        else:
+            with torch.no_grad():
+                piece = spec.shard(full.detach(), rank, tp)
+                if piece.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+                    piece = piece.clone()
+            param = nn.Parameter(piece, requires_grad=full.requires_grad)
+        setattr(module, name, param)
+
+
 def iter_sharded(module: nn.Module) -> Iterator[Tuple[str, ShardSpec, Optional[dist.ProcessGroup]]]:
     """(state-dict key, spec, group) of every tp-sharded tensor in `module`."""
     for prefix, sub in module.named_modules():
