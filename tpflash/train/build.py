@@ -83,14 +83,14 @@ def hf_model_config(hf_dir: str, preset: Optional[str], config_cls) -> Any:
                          "(--model.preset= clears a config file's preset)")
     if config_cls is not GPTConfig:
         raise ValueError(f"model.init_from needs tpflash's GPT, not {config_cls.__name__}")
+    from ..models.pretrained import CONFIG_FILE, read_hf_config
+    if not os.path.isfile(os.path.join(hf_dir, CONFIG_FILE)):
+        raise ValueError(f"model.init_from={hf_dir!r} is not a local Hugging Face model directory (it has no "
+                         f"{CONFIG_FILE})")
     try:
-        import transformers
-        hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    except (ImportError, OSError, ValueError) as e:
-        raise ValueError(f"model.init_from={hf_dir!r} is not a local Hugging Face model directory "
-                         f"({type(e).__name__}: {e})") from None
-    from ..models.hf import config_from_hf
-    return config_from_hf(hf_config)
+        return read_hf_config(hf_dir)  # config.json alone: transformers is not imported
+    except (OSError, ValueError, KeyError) as e:  # unreadable, or a model type or field tpflash cannot hold
+        raise ValueError(f"model.init_from={hf_dir!r}: {type(e).__name__}: {e}") from None
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:

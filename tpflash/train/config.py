@@ -84,6 +84,7 @@ class CheckpointSection:
     keep: int = 3  # the newest `keep` checkpoints stay; 0 keeps every one
     resume: bool = True
     async_save: bool = False  # periodic saves return once tensors are in host memory (the last one waits)
+    export_hf: str = ""  # at the end of training, a Hugging Face model directory here (tpflash.models.save_pretrained)
 
 
 @dataclass

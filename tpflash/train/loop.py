@@ -89,18 +89,29 @@ class Trainer:
         self.entropy = unigram_entropy(self.train_data.tokens, self.model_config.vocab_size)
 
     def _build_model(self, model_cls, dp: int) -> None:
-        """The model on this rank's device: seeded init (or init_from's weights), then FSDP over dp if used."""
-        torch.manual_seed(self.cfg.seed)  # identical on every rank: tp shards are slices of one init
-        self.model = model_cls(self.model_config, process_group=None, device=self.device)
+        """The model on this rank's device: seeded init, then FSDP over dp if used. With init_from it is
+        built on the meta device, checked against the files, sharded, and only then given storage and
+        each rank's slices of the Hugging Face weights (tpflash.models.pretrained): no rank ever
+        holds the whole model."""
         self.init_from = self.cfg.model.get("init_from") or None
-        if self.init_from and not self._checkpoint_to_resume():  # a resumed run has trained past these weights
-            from ..models.hf import load_hf_weights
-            load_hf_weights(self.model, self.init_from)
+        if self.init_from:
+            from ..models import pretrained
+            self.model = model_cls(self.model_config, process_group=None, device=torch.device("meta"))
+            hf_files = pretrained.HFFiles(self.init_from)
+            pretrained.check_files(self.model, hf_files)  # before the first collective: every rank raises alike
+        else:
+            torch.manual_seed(self.cfg.seed)  # identical on every rank: tp shards are slices of one init
+            self.model = model_cls(self.model_config, process_group=None, device=self.device)
         self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
         self.fsdp, self.fsdp_why = build.fsdp_choice(self.cfg.fsdp, dp, *build.agreed_fsdp_inputs(self.model, self.ps))
         if self.fsdp:
             parallel.apply_fsdp(self.model, self.ps)
             self.sharded_ids = tp_sharded_param_ids(self.model)
+        if self.init_from:
+            self.model.to_empty(device=self.device)
+            self.sharded_ids = tp_sharded_param_ids(self.model)  # to_empty may have swapped the parameters
+            if not self._checkpoint_to_resume():  # a resumed run has trained past these weights; load fills all
+                pretrained.load_pretrained_weights(self.model, self.init_from, hf_files)
 
     # ---------------------------------------------------------------- checkpoints
     def _checkpoint_to_resume(self) -> bool:
@@ -156,6 +167,16 @@ class Trainer:
             os.makedirs(ck.dir, exist_ok=True)  # an async save may not have made it yet
             with open(os.path.join(ck.dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(self.cfg))
+
+    def export_hf(self) -> Optional[str]:
+        """Write the model as a Hugging Face directory to checkpoint.export_hf (collective; tokenizer files
+        from init_from when set). Returns the directory, or None when export_hf is not set."""
+        out = self.cfg.checkpoint.export_hf
+        if not out:
+            return None
+        self.check_finite()
+        from ..models import save_pretrained
+        return save_pretrained(self.model, out, tokenizer_from=self.init_from)
 
     # ---------------------------------------------------------------- steps
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -291,6 +312,7 @@ class Trainer:
                 last["eval_loss"] = eval_loss
                 out.log(self.step, {"eval_loss": eval_loss}, kind="eval")
             self.save()
+            self.export_hf()
             return last
         finally:
             tracer.close()
