@@ -194,11 +194,3 @@ def to_hf(model: GPT):
     if cfg.tie_embeddings:
         hf.tie_weights()
     return hf.eval()
-
-
-def load_hf_weights(model: GPT, hf_dir: str) -> None:
-    """Copy the weights of the Hugging Face model saved in `hf_dir` into `model` (built from its config)."""
-    import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True)
-    sd = {k: v.detach() for k, v in hf.state_dict().items()}
-    load_full_state_dict(model, to_tpflash_state_dict(sd, model.config, model.state_dict().keys()))
