@@ -37,9 +37,11 @@ class DataConfig:
     """Where tokens come from. `path`: files, directories or globs (text), or one token file.
 
     format: "text" (files read as UTF-8 bytes, tokenized), "uint16"/"uint32" (a flat np.memmap of
-    token ids), or "auto" (.bin/.u16 -> uint16, .u32 -> uint32, else text). `path: "@stdlib"`
-    means the Python standard library's source directory. tokenizer: "byte" (built in, 256 ids)
-    or a Hugging Face tokenizer name/path available locally. seq_len 0 means model.block_size.
+    token ids), "jsonl" (fine-tuning examples, prompt/completion or chat messages: docs/finetuning.md),
+    or "auto" (.bin/.u16 -> uint16, .u32 -> uint32, a single .jsonl file -> jsonl, else text).
+    `path: "@stdlib"` means the Python standard library's source directory. tokenizer: "byte"
+    (built in, 256 ids) or a Hugging Face tokenizer name/path available locally. seq_len 0 means
+    model.block_size. pack (jsonl only): several examples per row (else one, padded).
     """
 
     path: List[str] = field(default_factory=list)
@@ -50,6 +52,7 @@ class DataConfig:
     tokenizer: str = "byte"
     seq_len: int = 0
     eval_fraction: float = 0.05
+    pack: bool = True
 
 
 @dataclass
@@ -128,7 +131,7 @@ class TrainConfig:
 
 SECTIONS = {f.name: f for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory)}
 _CHOICES = {"dtype": ("auto", "bf16", "fp32"), "fsdp": ("auto", "on", "off"), "cuda_graphs": ("auto", "on", "off"),
-            "data.format": ("auto", "text", "uint16", "uint32"), "train.fused_adam": ("auto", "on", "off"),
+            "data.format": ("auto", "text", "uint16", "uint32", "jsonl"), "train.fused_adam": ("auto", "on", "off"),
             "log.progress": ("auto", "bar", "lines", "none"), "log.tensorboard": ("auto", "on", "off")}
 
 

@@ -98,7 +98,7 @@ def text_files(paths: Sequence[str], include: Sequence[str], exclude: Sequence[s
 
 
 def token_format(cfg: DataConfig) -> str:
-    """"text", "uint16" or "uint32": data.format, or guessed from a single file's extension."""
+    """"text", "uint16", "uint32" or "jsonl": data.format, or guessed from a single file's extension."""
     if cfg.format != "auto":
         return cfg.format
     if len(cfg.path) == 1:
@@ -107,6 +107,8 @@ def token_format(cfg: DataConfig) -> str:
             return "uint16"
         if ext == ".u32":
             return "uint32"
+        if ext == ".jsonl":
+            return "jsonl"
     return "text"
 
 

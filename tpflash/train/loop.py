@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel
-from . import build
+from . import build, packing
 from .fingerprint import job_fingerprint
 from .config import TrainConfig, check_values, to_yaml
 from .data import load_tokens, make_tokenizer, token_format, split_train_eval, unigram_entropy
@@ -75,9 +75,12 @@ class Trainer:
     def _load_data(self, config_cls) -> None:
         """The tokenizer, the resolved model config, and the train/eval token windows."""
         cfg = self.cfg
-        is_text = token_format(cfg.data) == "text"
+        self.packed = token_format(cfg.data) == "jsonl"  # fine-tuning examples, packed into rows (tpflash.train.packing)
+        if self.packed and cfg.cuda_graphs == "on":
+            raise ValueError(build.PACKED_GRAPHS_RULE)
+        is_text = token_format(cfg.data) in ("text", "jsonl")
         self._tokenizer = make_tokenizer(cfg.data.tokenizer) if is_text else None  # token files: only to sample
-        tokens = load_tokens(cfg.data, self._tokenizer)
+        tokens = None if self.packed else load_tokens(cfg.data, self._tokenizer)
         self.model_config = build.resolve_model_config(
             cfg.model, self._tokenizer.vocab_size if is_text else None, config_cls)
         if hasattr(self.model_config, "check_tp"):
@@ -85,8 +88,15 @@ class Trainer:
         self.seq_len = cfg.data.seq_len or self.model_config.block_size
         if self.seq_len > self.model_config.block_size:
             raise ValueError(f"data.seq_len={self.seq_len} exceeds model.block_size={self.model_config.block_size}")
-        self.train_data, self.eval_data = split_train_eval(tokens, self.seq_len, cfg.data.eval_fraction)
-        self.entropy = unigram_entropy(self.train_data.tokens, self.model_config.vocab_size)
+        self.data_notes = []
+        if self.packed:
+            self.train_data, self.eval_data, self.data_notes = packing.load_packed(
+                cfg.data, self._tokenizer, self.seq_len, cfg.seed)
+            counted = self.train_data.loss_targets()  # the entropy of what the loss is taken over
+        else:
+            self.train_data, self.eval_data = split_train_eval(tokens, self.seq_len, cfg.data.eval_fraction)
+            counted = self.train_data.tokens
+        self.entropy = unigram_entropy(counted, self.model_config.vocab_size)
 
     def _build_model(self, model_cls, dp: int) -> None:
         """The model on this rank's device: seeded init, then FSDP over dp if used. With init_from it is
@@ -184,19 +194,42 @@ class Trainer:
         # and the host is meant to issue this step while the GPU still runs the last (StopSignal)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
+    def _micro_batch(self, data, indices):
+        """(inputs [micro, seq], targets [micro, seq], further forward kwargs) of samples `indices`, on
+        the device; packed rows add their documents' positions and offsets and ask for summed losses."""
+        if not self.packed:
+            x, y = data.batch(indices)
+            return self._to_device(x), self._to_device(y), {}
+        b = data.batch(indices)
+        return self._to_device(b.inputs), self._to_device(b.targets), packing.forward_kwargs(b, self._to_device)
+
+    def _loss_divisor(self, data, global_indices):
+        """What each micro-batch's loss is divided by before its backward. Token windows: grad_accum
+        (the step's loss is the mean of its micro-batches' mean losses). Packed rows, whose losses are
+        summed: the loss-carrying tokens of the whole global batch (every dp rank's, every micro-batch's:
+        counted from the data, which every rank holds, so no collective), divided by dp because DDP and
+        FSDP average the gradients over dp where their sum is wanted. global_indices() gives the batch."""
+        if not self.packed:
+            return self.plan.grad_accum
+        return data.loss_tokens(global_indices()) / self.ps.dp_size
+
     def train_step(self) -> Dict[str, torch.Tensor]:
-        """One optimizer step over the next global batch: {"loss": this rank's mean loss (tensor),
-        "grad_norm": the global norm before clipping (tensor), "lr": the lr this step used}."""
+        """One optimizer step over the next global batch: {"loss": this rank's loss (tensor: the mean
+        of its micro-batches' means; packed rows: its summed loss over the global batch's loss tokens,
+        times dp, so that the mean over dp is the global mean), "grad_norm": the global norm before
+        clipping (tensor), "lr": the lr this step used}."""
         plan, ps = self.plan, self.ps
         self.model.train()
         indices = self.sampler.rank_slice(plan.batch_size, ps.dp_rank, ps.dp_size)  # [per_rank]
+        divisor = self._loss_divisor(self.train_data, lambda: self.sampler.indices(self.sampler.consumed,
+                                                                                   plan.batch_size))
         loss_sum = torch.zeros((), device=self.device)
         for i in range(plan.grad_accum):
-            x, y = self.train_data.batch(indices[i * plan.micro:(i + 1) * plan.micro])  # [micro, seq] each
+            x, y, kwargs = self._micro_batch(self.train_data, indices[i * plan.micro:(i + 1) * plan.micro])
             with self._gradient_sync(i == plan.grad_accum - 1):
                 with build.autocast(self.device, self.amp_dtype):
-                    loss = self._train_forward(self._to_device(x), self._to_device(y))
-                (loss / plan.grad_accum).backward()
+                    loss = self._train_forward(x, y, **kwargs)
+                (loss / divisor).backward()
             loss_sum += loss.detach().float()
         self.sampler.advance(plan.batch_size)
         norm = global_grad_norm(self.model, ps.tp_group, ps.dp_group, self.fsdp, self.sharded_ids)
@@ -207,7 +240,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         self.step += 1
-        return {"loss": loss_sum / plan.grad_accum, "grad_norm": norm, "lr": lr}
+        return {"loss": loss_sum / divisor, "grad_norm": norm, "lr": lr}
 
     def _gradient_sync(self, last_micro_batch: bool):
         """The context of one micro-batch's forward and backward: gradients are reduced over dp only in
@@ -238,10 +271,13 @@ class Trainer:
             start = k * plan.batch_size + ps.dp_rank * plan.per_rank
             indices = [(start + j) % n for j in range(plan.per_rank)]
             for i in range(plan.grad_accum):
-                x, y = self.eval_data.batch(indices[i * plan.micro:(i + 1) * plan.micro])
+                x, y, kwargs = self._micro_batch(self.eval_data, indices[i * plan.micro:(i + 1) * plan.micro])
                 with build.autocast(self.device, self.amp_dtype):
-                    total += self.model(self._to_device(x), self._to_device(y)).float()
+                    total += self.model(x, y, **kwargs).float()
         self.model.train()
+        if self.packed:  # every rank's positions, k * batch_size + j, as above: summed losses over their count
+            every = np.arange(self.cfg.train.eval_batches * plan.batch_size) % n
+            return self._dp_mean(total / self._loss_divisor(self.eval_data, lambda: every))
         return self._dp_mean(total / (self.cfg.train.eval_batches * plan.grad_accum))
 
     # ---------------------------------------------------------------- the run
@@ -255,7 +291,10 @@ class Trainer:
         out.note(f"model: {params / 1e6:.2f}M parameters, seq {self.seq_len}; batch {plan.batch_size} = dp {plan.dp}"
                  f" x accum {plan.grad_accum} x micro {plan.micro}; {len(self.train_data)} train / "
                  f"{len(self.eval_data) if self.eval_data else 0} eval sequences")
-        out.note(f"unigram entropy of the training tokens: {self.entropy:.3f} nats/token "
+        for note in self.data_notes:
+            out.note(note)
+        counted = "loss-carrying training tokens" if self.packed else "training tokens"
+        out.note(f"unigram entropy of the {counted}: {self.entropy:.3f} nats/token "
                  "(a model that ignores context cannot do better)")
         if self.init_from and self.resumed_from is None:
             out.note(f"weights at step 0 from the Hugging Face model in {self.init_from}")
