@@ -184,6 +184,12 @@ def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[
     return False, f" (auto: {where}: replicated over dp, gradients all-reduced by DDP)"
 
 
+# packed fine-tuning rows put their document boundaries elsewhere in every batch, which graphs
+# captured once cannot follow
+PACKED_GRAPHS_RULE = ("cuda_graphs=on is not possible with data.format=jsonl: packed documents change the attention's "
+                      "document boundaries every batch, which captured graphs cannot replay; use cuda_graphs=auto or off")
+
+
 def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp_size: int) -> Tuple[bool, str]:
     """(capture the model's blocks as CUDA graphs?, why) for cuda_graphs=auto/on/off; call it after
     FSDP has been applied (its parameters are one of the things that stand in the way).
@@ -194,10 +200,16 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp
     eager step (sixteenth session: +1-3% on gpt-1.3b and llama-1b, more where the host stalls). At
     tp=1 with dp > 1 it stays eager: DDP's all-reduces then run during the eager backward, whereas
     a graphed backward hands DDP every gradient at its end. on: wherever possible (CPU runs an eager
-    stand-in), ValueError naming what stands in the way.
+    stand-in), ValueError naming what stands in the way. Packed fine-tuning data (data.format=jsonl)
+    always runs eager: auto is off, on a ValueError.
     """
     if cfg.cuda_graphs == "off":
         return False, "off"
+    from .data import token_format
+    if token_format(cfg.data) == "jsonl":
+        if cfg.cuda_graphs == "on":
+            raise ValueError(PACKED_GRAPHS_RULE)
+        return False, "auto: off (packed documents)"
     from ..layers.graphed_blocks import check_graphable
     blocker = None
     if not hasattr(model, "capture_cuda_graphs"):
