@@ -12,7 +12,7 @@ q head h reading kv head h // (Hq/Hkv)) works at any tp dividing Hq, in two layo
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,6 +23,7 @@ from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 from .autocast_linear import linear
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_linears, init_linear_full
+from .norm import HeadNorm
 from .rotary import RotaryEmbedding
 
 
@@ -90,16 +91,24 @@ class ParallelAttention(nn.Module):
     """Causal multi-head / grouped-query self-attention over tp (module docstring for the layout).
 
     x: [seq, batch, hidden] replicated over tp, or with sequence_parallel [seq/tp, batch, hidden];
-    the output has the same layout as x. position="rotary" rotates q and k (RoPE, theta=rope_theta);
-    "learned" (or "none") leaves positions to the embedding. The core is
-    tpflash.kernels.flash_attention on [batch, seq, heads, head_dim] views.
-    Parameters: q_proj, k_proj, v_proj, o_proj (nn.Linear layouts; keys as a plain module's).
+    the output has the same layout as x. position="rotary" rotates q and k (RoPE, theta=rope_theta,
+    frequency scaling `rope_scaling` as in tpflash.layers.rotary, `max_positions` the model's
+    max_position_embeddings); "learned" (or "none") leaves positions to the embedding.
+    head_dim: per-head width (default hidden // n_head; n_head * head_dim may differ from hidden).
+    qkv_bias: biases on q/k/v (default `bias`); `bias` alone sets o_proj's. qk_norm: a per-head RMSNorm
+    (eps=norm_eps) on q and k after the projection, before rotary (Qwen3).
+    The core is tpflash.kernels.flash_attention on [batch, seq, heads, head_dim] views, or with
+    cu_seqlens on its varlen form (see `forward`).
+    Parameters: q_proj, k_proj, v_proj, o_proj (nn.Linear layouts; keys as a plain module's), and
+    q_norm.weight / k_norm.weight ([head_dim], replicated) with qk_norm.
     `out_init_method` initialises o_proj (e.g. GPT-2's 1/sqrt(2*n_layer) scaled init).
     """
 
     def __init__(self, hidden: int, n_head: int, n_kv_head: Optional[int] = None, bias: bool = True,
                  position: str = "learned", rope_theta: float = 10000.0, sequence_parallel: bool = False,
-                 process_group=None, *, softmax_scale: Optional[float] = None,
+                 process_group=None, *, head_dim: Optional[int] = None, qkv_bias: Optional[bool] = None,
+                 qk_norm: bool = False, norm_eps: float = 1e-6, rope_scaling: Optional[Dict[str, Any]] = None,
+                 max_positions: int = 2048, softmax_scale: Optional[float] = None,
                  init_method: Optional[InitMethod] = None, out_init_method: Optional[InitMethod] = None,
                  device=None, dtype=None):
         super().__init__()
@@ -107,46 +116,91 @@ class ParallelAttention(nn.Module):
         self.process_group = resolve_tp_group(process_group)
         tp = group_size(self.process_group)
         check_heads(n_head, n_kv_head, tp)
-        if hidden % n_head:
-            raise ValueError(f"hidden={hidden} is not divisible by n_head={n_head}")
+        if head_dim is None and hidden % n_head:
+            raise ValueError(f"hidden={hidden} is not divisible by n_head={n_head} (pass head_dim)")
         if position not in ("learned", "rotary", "none"):
             raise ValueError(f"position={position!r} must be 'learned', 'rotary' or 'none'")
-        self.hidden, self.n_head, self.n_kv_head, self.head_dim = hidden, n_head, n_kv_head, hidden // n_head
+        self.hidden, self.n_head, self.n_kv_head = hidden, n_head, n_kv_head
+        self.head_dim = hidden // n_head if head_dim is None else head_dim
         self.local_heads, self.local_kv_heads = n_head // tp, max(1, n_kv_head // tp)
         self.sequence_parallel = sequence_parallel
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        inner = n_head * self.head_dim
         kw = dict(process_group=self.process_group, init_method=init_method, device=device, dtype=dtype)
-        self.q_proj = ColumnParallelLinear(hidden, hidden, bias=bias, **kw)
-        self.k_proj = KVLinear(hidden, n_kv_head, self.head_dim, bias=bias, **kw)
-        self.v_proj = KVLinear(hidden, n_kv_head, self.head_dim, bias=bias, **kw)
-        self.o_proj = RowParallelLinear(hidden, hidden, bias=bias, sequence_parallel=sequence_parallel,
+        self.q_proj = ColumnParallelLinear(hidden, inner, bias=qkv_bias, **kw)
+        self.k_proj = KVLinear(hidden, n_kv_head, self.head_dim, bias=qkv_bias, **kw)
+        self.v_proj = KVLinear(hidden, n_kv_head, self.head_dim, bias=qkv_bias, **kw)
+        self.o_proj = RowParallelLinear(inner, hidden, bias=bias, sequence_parallel=sequence_parallel,
                                         process_group=self.process_group, init_method=out_init_method,
                                         device=device, dtype=dtype)
-        self.rotary = RotaryEmbedding(self.head_dim, rope_theta) if position == "rotary" else None
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            norm_kw = dict(eps=norm_eps, process_group=self.process_group, device=device, dtype=dtype)
+            self.q_norm, self.k_norm = HeadNorm(self.head_dim, **norm_kw), HeadNorm(self.head_dim, **norm_kw)
+        self.rotary = None
+        if position == "rotary":
+            self.rotary = RotaryEmbedding(self.head_dim, rope_theta, rope_scaling, max_positions)
 
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
-        """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once)."""
+        """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once).
+        (q_norm/k_norm weights are not cast: the norm kernel reads them in fp32, like the block norms'.)"""
         groups = [(self.o_proj.weight,), (self.o_proj.bias,)]
         if not self.k_proj.replicated:  # replicated k/v multiply one head's rows of their weight
             projections = (self.q_proj, self.k_proj, self.v_proj)
             groups += [tuple(p.weight for p in projections), tuple(p.bias for p in projections)]
         return groups
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x -> q, k, v as [seq, batch, heads, head_dim] (q/k normalised per head with qk_norm)."""
         (k_w, k_b), (v_w, v_b) = self.k_proj.local_weight_and_bias(), self.v_proj.local_weight_and_bias()
         q, k, v = column_parallel_linears(x, [self.q_proj.weight, k_w, v_w], [self.q_proj.bias, k_b, v_b],
                                           self.process_group, self.sequence_parallel)  # [seq, b, heads*hd]
         seq, batch = q.shape[0], q.shape[1]
-        # [seq, b, heads*hd] -> [b, seq, heads, hd] views (no copy; the kernel takes strides)
         q = q.view(seq, batch, self.local_heads, self.head_dim)
         k = k.view(seq, batch, self.local_kv_heads, self.head_dim)
         v = v.view(seq, batch, self.local_kv_heads, self.head_dim)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
+        """x as in the class docstring. Packed documents (all optional, for the whole, gathered sequence):
+        position_ids [batch, seq] int64, each token's position (rotary angles; default 0..seq-1);
+        cu_seqlens int32 [n_docs + 1], document offsets in the batch-major flattening of [batch, seq]
+        (no token attends across one); max_seqlen the longest document (also the rotary length of
+        dynamic/longrope scaling; default seq)."""
+        q, k, v = self._project(x)
+        seq, batch = q.shape[0], q.shape[1]
+        if position_ids is None and cu_seqlens is None:  # [seq, b, h, hd] -> [b, seq, h, hd] views, no copy
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+            if self.rotary is not None:
+                q, k = self.rotary(q, k)
+            out = kernels.flash_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale)  # [b, seq, h, hd]
+            out = out.transpose(0, 1)
+        else:
+            out = self._packed_attention(q, k, v, position_ids, cu_seqlens, max_seqlen)
+        return self.o_proj(out.reshape(seq, batch, self.local_heads * self.head_dim))  # [seq(/tp), b, hidden]
+
+    def _packed_attention(self, q, k, v, position_ids, cu_seqlens, max_seqlen) -> torch.Tensor:
+        """q/k/v [seq, b, heads, hd] -> out [seq, b, heads, hd], rotary at position_ids, attention kept
+        within the documents of cu_seqlens (causal over each row without it)."""
+        seq, batch = q.shape[0], q.shape[1]
         if self.rotary is not None:
-            q, k = self.rotary(q, k)
-        out = kernels.flash_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale)  # [b, seq, h, hd]
-        out = out.transpose(0, 1).reshape(seq, batch, self.local_heads * self.head_dim)
-        return self.o_proj(out)  # [seq(/tp), b, hidden]
+            if position_ids is None:
+                position_ids = torch.arange(seq, device=q.device).expand(batch, seq)
+            tokens = position_ids.t().reshape(-1)  # the [seq, b] token order of q and k
+            q, k = self.rotary(q.reshape(seq * batch, *q.shape[2:]), k.reshape(seq * batch, *k.shape[2:]),
+                               tokens, max_seqlen or seq)
+            q, k = q.reshape(seq, batch, *q.shape[1:]), k.reshape(seq, batch, *k.shape[1:])
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [b, seq, h, hd]
+        if cu_seqlens is None:
+            return kernels.flash_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale).transpose(0, 1)
+        flat = [t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v)]  # batch-major, as cu_seqlens counts
+        out = kernels.flash_attention(*flat, causal=True, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens,
+                                      max_seqlen=max_seqlen)
+        return out.reshape(batch, seq, *out.shape[1:]).transpose(0, 1)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, n_head={self.n_head}, n_kv_head={self.n_kv_head}, "

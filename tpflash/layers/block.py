@@ -13,7 +13,7 @@ GEMM; the norms, dropouts and residual adds run on 1/tp of the tokens. Without i
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,8 @@ class ParallelTransformerBlock(nn.Module):
     [seq/tp, batch, hidden] with sequence_parallel.
     checkpoint: None, "full" (recompute the whole block in backward) or "mlp" (recompute the MLP
     only, whose [seq, batch, ffn/tp] activations are the block's largest).
+    Attention options (head_dim, qkv_bias, qk_norm, rope_scaling, max_positions) are ParallelAttention's;
+    forward's keyword arguments (position_ids, cu_seqlens, max_seqlen: packed documents) go to it.
     Dropout (residual branches) draws from `rng_tracker`: the "sharded" stream under SP, the
     "replicated" one otherwise (tpflash.parallel.random). Parameters: attn_norm, attn, mlp_norm, mlp.
     """
@@ -49,7 +51,9 @@ class ParallelTransformerBlock(nn.Module):
                  norm_eps: float = 1e-5, rope_theta: float = 10000.0, dropout: float = 0.0,
                  sequence_parallel: bool = False, process_group=None, *, checkpoint: Optional[str] = None,
                  rng_tracker: Optional[RNGTracker] = None, init_method: Optional[InitMethod] = None,
-                 out_init_method: Optional[InitMethod] = None, device=None, dtype=None):
+                 out_init_method: Optional[InitMethod] = None, head_dim: Optional[int] = None,
+                 qkv_bias: Optional[bool] = None, qk_norm: bool = False, rope_scaling: Optional[Dict[str, Any]] = None,
+                 max_positions: int = 2048, device=None, dtype=None):
         super().__init__()
         if checkpoint not in CHECKPOINTING:
             raise ValueError(f"checkpoint={checkpoint!r} must be one of {CHECKPOINTING}")
@@ -64,7 +68,9 @@ class ParallelTransformerBlock(nn.Module):
         layer_kw = dict(bias=bias, sequence_parallel=sequence_parallel, process_group=self.process_group,
                         init_method=init_method, out_init_method=out_init_method, device=device, dtype=dtype)
         self.attn_norm = ParallelNorm(hidden, **norm_kw)
-        self.attn = ParallelAttention(hidden, n_head, n_kv_head, position=position, rope_theta=rope_theta, **layer_kw)
+        self.attn = ParallelAttention(hidden, n_head, n_kv_head, position=position, rope_theta=rope_theta,
+                                      head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_eps=norm_eps,
+                                      rope_scaling=rope_scaling, max_positions=max_positions, **layer_kw)
         self.mlp_norm = ParallelNorm(hidden, **norm_kw)
         self.mlp = ParallelMLP(hidden, ffn_hidden, mlp=mlp, **layer_kw)
 
@@ -89,7 +95,8 @@ class ParallelTransformerBlock(nn.Module):
         """The tensors the block's forward casts to the compute dtype, grouped as its layers stack them."""
         return self.attn.weight_cast_groups() + self.mlp.weight_cast_groups()
 
-    def _forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                 **attn_kw) -> Tuple[torch.Tensor, torch.Tensor]:
         # One all-reduce for the block's partial gradients instead of one per norm and row bias (at tp=2
         # each cost ~30 us of a serial chain), and one multi-tensor cast of its weights instead of ~10
         # cast kernels (docs/performance.md, ninth session). Outer scopes (GraphedBlocks) take precedence.
@@ -99,12 +106,17 @@ class ParallelTransformerBlock(nn.Module):
                 h, residual = self.attn_norm(x), x
             else:
                 h, residual = self.attn_norm(x, residual=residual)
-            a = self._dropout(self.attn(h))
+            a = self._dropout(self.attn(h, **attn_kw))
             h, residual = self.mlp_norm(a, residual=residual)
             return self._dropout(self._run_mlp(h)), residual
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *,
+                position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                max_seqlen: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        attn_kw = {}
+        if position_ids is not None or cu_seqlens is not None:  # packed documents (ParallelAttention.forward)
+            attn_kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if self.checkpoint == "full" and torch.is_grad_enabled():
             return torch_checkpoint(self._forward, x, residual, use_reentrant=False,
-                                    context_fn=self.rng_tracker.checkpoint_context_fns)
-        return self._forward(x, residual)
+                                    context_fn=self.rng_tracker.checkpoint_context_fns, **attn_kw)
+        return self._forward(x, residual, **attn_kw)

@@ -73,3 +73,30 @@ class ParallelNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.dim}, kind={self.kind}, eps={self.eps}, bias={self.bias is not None}, "
                 f"sequence_parallel={self.sequence_parallel}, tp={group_size(self.process_group)}")
+
+
+class HeadNorm(nn.Module):
+    """Per-head RMSNorm (Qwen3's q_norm / k_norm): y = x * rsqrt(mean(x^2) + eps) * weight over the last
+    dim of x [..., heads, head_dim], fp32 statistics, x's dtype out. State-dict key "weight" [head_dim].
+
+    The weight is replicated over tp but every rank normalises only its own heads, so each rank's
+    weight gradient is partial whatever the sequence layout: the weight goes through
+    copy_to_tp_region, which sums the gradient over tp (as KVLinear's replicated weights do).
+    Process group: `process_group`, else the default tp group, else none.
+    """
+
+    def __init__(self, head_dim: int, eps: float = 1e-6, process_group=None, device=None, dtype=None):
+        super().__init__()
+        self.head_dim, self.eps = head_dim, eps
+        self.process_group = resolve_tp_group(process_group)
+        self.weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=dtype))
+
+    def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
+        """The weight, whenever tp > 1 (each rank's gradient covers only its heads)."""
+        return [self.weight] if group_size(self.process_group) > 1 else []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, comm.copy_to_tp_region(self.weight, self.process_group), self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.head_dim}, eps={self.eps}, tp={group_size(self.process_group)}"

@@ -10,6 +10,7 @@ from ..layers.attention import check_heads
 from ..layers.block import CHECKPOINTING
 from ..layers.mlp import MLPS
 from ..layers.norm import NORMS
+from ..layers.rotary import check_rope_scaling
 
 _LLAMA = dict(mlp="swiglu", norm="rmsnorm", position="rotary", tie_embeddings=False, bias=False)
 PRESETS: Dict[str, Dict[str, Any]] = {
@@ -46,6 +47,15 @@ class GPTConfig:
     (token-chunked; the full logits never exist), else logits + vocab_parallel_cross_entropy.
     init_std: std of the normal init (residual output projections get init_std/sqrt(2*n_layer)).
     seed: seeds the model's dropout RNG tracker (tpflash.parallel.random).
+
+    Llama-family variants (tpflash.models.hf_config maps Hugging Face configs onto these):
+    head_dim: per-head width, None meaning n_embd // n_head (`head_size` is the resolved value);
+    n_head * head_dim may differ from n_embd (Qwen3). qkv_bias: biases on q/k/v, None meaning `bias`
+    (Qwen2: qkv_bias=True, bias=False). qk_norm: per-head RMSNorm on q and k before rotary (Qwen3).
+    rope_scaling: None (plain RoPE) or a dict {"rope_type": "linear"|"dynamic"|"llama3"|"yarn"|
+    "longrope", ...its parameters in transformers' names} (tpflash.layers.rotary); block_size is then
+    max_position_embeddings, and "dynamic" accepts longer sequences (rescaling its frequencies).
+    sliding_window: Mistral's attention window; forwards over longer sequences (documents) raise.
     """
 
     vocab_size: int = 50304
@@ -68,13 +78,27 @@ class GPTConfig:
     fused_loss: bool = True
     init_std: float = 0.02
     seed: int = 0
+    head_dim: Optional[int] = None
+    qkv_bias: Optional[bool] = None
+    qk_norm: bool = False
+    rope_scaling: Optional[Dict[str, Any]] = None
+    sliding_window: Optional[int] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.head_dim is None and self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head} (or set head_dim)")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"head_dim={self.head_dim} must be >= 1")
+        # One spelling per model, so that configs compare equal however they were written.
+        if self.head_dim is not None and self.head_dim * self.n_head == self.n_embd:
+            self.head_dim = None
+        if self.qkv_bias == self.bias:
+            self.qkv_bias = None
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
         check_heads(self.n_head, self.kv_heads, 1)
         if self.mlp not in MLPS:
             raise ValueError(f"mlp={self.mlp!r} must be one of {MLPS}")
@@ -82,8 +106,14 @@ class GPTConfig:
             raise ValueError(f"norm={self.norm!r} must be one of {NORMS}")
         if self.position not in ("learned", "rotary"):
             raise ValueError(f"position={self.position!r} must be 'learned' or 'rotary'")
-        if self.position == "rotary" and self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary positions")
+        if self.position == "rotary" and self.head_size % 2:
+            raise ValueError(f"head_dim={self.head_size} must be even for rotary positions")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "default":
+            self.rope_scaling = None  # plain RoPE has one spelling
+        if self.rope_scaling is not None:
+            if self.position != "rotary":
+                raise ValueError(f"rope_scaling={self.rope_scaling} needs position='rotary'")
+            check_rope_scaling(self.rope_scaling, self.head_size)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         self.checkpoint_mode  # validates activation_checkpointing
@@ -94,9 +124,9 @@ class GPTConfig:
         return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
-    def head_dim(self) -> int:
-        """n_embd / n_head."""
-        return self.n_embd // self.n_head
+    def head_size(self) -> int:
+        """The per-head width: head_dim, else n_embd // n_head."""
+        return self.n_embd // self.n_head if self.head_dim is None else self.head_dim
 
     @property
     def ffn_dim(self) -> int:

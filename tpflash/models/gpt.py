@@ -22,6 +22,7 @@ from ..parallel.sharding import iter_sharded
 from ..parallel.state import NO_GROUP, get_default_state, group_rank, group_size, resolve_tp_group
 from .config import GPTConfig
 from .generate import generate
+from .packing import packing_kwargs
 
 
 def _normal(std: float):
@@ -32,7 +33,8 @@ class GPT(nn.Module):
     """Decoder-only transformer (GPT-2 or Llama family, per `config`) over the tp group.
 
     forward(idx) -> logits [batch, seq, V'/tp] (vocab-sharded; padding columns -inf), the same on
-    every tp rank; forward(idx, targets) -> scalar mean loss (ignore_index=-100).
+    every tp rank; forward(idx, targets) -> scalar mean loss (ignore_index=-100), or with
+    reduction="sum" the sum of the counted tokens' losses. Packed documents: see `forward`.
     idx/targets: [batch, seq] int64, replicated over tp; seq <= block_size, and under sequence
     parallelism seq % tp == 0. Process group: `process_group`, else the default tp group, else none.
     Parameters (keys of full_state_dict, equal to the tp=1 model's): tok_embeddings.weight,
@@ -66,7 +68,9 @@ class GPT(nn.Module):
                                      norm_eps=config.norm_eps, rope_theta=config.rope_theta, dropout=config.dropout,
                                      sequence_parallel=self.sequence_parallel, process_group=self.process_group,
                                      checkpoint=config.checkpoint_mode, rng_tracker=self.rng_tracker,
-                                     init_method=init, out_init_method=out_init, **kw)
+                                     init_method=init, out_init_method=out_init, head_dim=config.head_size,
+                                     qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
+                                     rope_scaling=config.rope_scaling, max_positions=config.block_size, **kw)
             for _ in range(config.n_layer))
         self.final_norm = ParallelNorm(config.n_embd, config.norm, config.norm_eps,
                                        bias=config.bias and config.norm == "layernorm",
@@ -93,7 +97,8 @@ class GPT(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"idx has shape {tuple(idx.shape)}; expected [batch, seq]")
         seq = idx.shape[1]
-        if seq > self.config.block_size:
+        scaling = self.config.rope_scaling or {}
+        if seq > self.config.block_size and scaling.get("rope_type") != "dynamic":  # dynamic NTK extrapolates
             raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
         if self.sequence_parallel and seq % self.tp:
             raise ValueError(f"sequence length {seq} is not divisible by tp={self.tp} (sequence parallelism)")
@@ -101,29 +106,35 @@ class GPT(nn.Module):
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}")
 
     # ---- forward ------------------------------------------------------------------------------
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """ids [batch, seq] -> [seq, batch, hidden] (under SP this rank's [seq/tp, batch, hidden])."""
+    def embed(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ids [batch, seq] -> [seq, batch, hidden] (under SP this rank's [seq/tp, batch, hidden]).
+        position_ids [batch, seq]: the learned positions' rows (default 0..seq-1 in every row)."""
         x = self.tok_embeddings(idx.t())
         if self.pos_embeddings is not None:
             seq = idx.shape[1]
-            pos = self.pos_embeddings.weight
+            pos, rows = self.pos_embeddings.weight, slice(0, seq)
             if self.sequence_parallel:  # this rank's positions; the table's gradient summed over tp
                 pos = comm.copy_to_tp_region(pos, self.process_group)
                 local = seq // self.tp
-                start = group_rank(self.process_group) * local
-                x = x + pos[start:start + local, None, :]
+                rows = slice(group_rank(self.process_group) * local, (group_rank(self.process_group) + 1) * local)
+            if position_ids is None:
+                x = x + pos[rows, None, :]
             else:
-                x = x + pos[:seq, None, :]
+                x = x + pos[position_ids[:, rows].t()]  # [seq(/tp), batch, hidden]
         return self.rng_tracker.dropout(x, self.config.dropout, sharded=self.sequence_parallel, training=self.training)
 
-    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
-        """The final-norm output, [seq, batch, hidden] ([seq/tp, batch, hidden] under SP)."""
-        x, residual = self.embed(idx), None
-        if self._graphed_blocks is not None and self._graphed_blocks.matches(x):
-            x, residual = self._graphed_blocks(x)
+    def hidden_states(self, idx: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
+                      cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
+        """The final-norm output, [seq, batch, hidden] ([seq/tp, batch, hidden] under SP). Packed
+        documents as in `forward` (here position_ids must be given whenever cu_seqlens is)."""
+        packed = position_ids is not None or cu_seqlens is not None
+        x, residual = self.embed(idx, position_ids), None
+        if not packed and self._graphed_blocks is not None and self._graphed_blocks.matches(x):
+            x, residual = self._graphed_blocks(x)  # captured for unpacked batches only
         else:
+            kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen) if packed else {}
             for block in self.blocks:
-                x, residual = block(x, residual)
+                x, residual = block(x, residual, **kw)
         return self.final_norm(x, residual=residual)[0]
 
     def capture_cuda_graphs(self, batch_size: int, seq_len: int) -> None:
@@ -162,22 +173,45 @@ class GPT(nn.Module):
         pad = torch.arange(local, device=logits.device) >= real
         return logits.masked_fill(pad, float("-inf"))
 
-    def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, h: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         target = targets.t()  # [seq, batch], the logits' token order
         # The losses read process_group=None as "the default tp group"; a tp=1 model means none.
         group = NO_GROUP if self.process_group is None else self.process_group
         if self.config.fused_loss:  # gathers h itself and never holds all the logits
-            return losses.fused_linear_cross_entropy(h, self.head_weight, target, group,
+            return losses.fused_linear_cross_entropy(h, self.head_weight, target, group, reduction=reduction,
                                                      vocab_size=self.config.vocab_size,
                                                      sequence_parallel=self.sequence_parallel)
-        return losses.vocab_parallel_cross_entropy(self._logits(h), target, group,
+        return losses.vocab_parallel_cross_entropy(self._logits(h), target, group, reduction=reduction,
                                                    vocab_size=self.config.vocab_size)
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _check_window(self, seq: int, packing: Dict) -> None:
+        window, longest = self.config.sliding_window, packing.get("max_seqlen") or seq
+        if window is not None and longest > window:
+            raise ValueError(f"sequence (document) length {longest} exceeds sliding_window={window}: tpflash "
+                             "attends over whole documents, so only sequences up to the window are exact")
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                max_seqlen: Optional[int] = None, reduction: str = "mean") -> torch.Tensor:
+        """Logits [batch, seq, V'/tp], or with targets the loss: reduction "mean" over the tokens whose
+        target is not -100, or "sum" of their losses (a trainer divides by its global token count).
+
+        Packed documents (tpflash.models.packing): cu_seqlens int32 [n_docs + 1], offsets of the
+        documents in the batch-major flattening of idx (every row boundary included); attention then
+        stays inside each document (causal within it). position_ids int64 [batch, seq]: positions
+        restarting at 0 per document (rotary angles or learned-position rows); derived from
+        cu_seqlens on its device when omitted. max_seqlen: the longest document, a python int
+        (computed with one device sync when omitted; pass it). Replicated over tp like idx.
+        Checked before any collective. Captured CUDA graphs are not used for packed batches.
+        """
         self._check_input(idx, targets)
-        h = self.hidden_states(idx)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
+        packing = packing_kwargs(idx, position_ids, cu_seqlens, max_seqlen)
+        self._check_window(idx.shape[1], packing)
+        h = self.hidden_states(idx, **packing)
         if targets is not None:
-            return self._loss(h, targets)
+            return self._loss(h, targets, reduction)
         return self._mask_padding(self._logits(h)).transpose(0, 1)  # [batch, seq, V'/tp]
 
     generate = generate
@@ -202,9 +236,9 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), for MFU: 6 * (matmul parameters, the output
-        head included) + 12 * n_layer * n_embd * seq_len for attention scores and values (PaLM's
+        head included) + 12 * n_layer * n_head * head_dim * seq_len for attention scores and values (PaLM's
         convention, which does not halve for causal masking)."""
         c = self.config
         block_params = self.num_params(non_embedding=True) - (0 if self.lm_head is None else c.vocab_size * c.n_embd)
         matmul_params = block_params + c.vocab_size * c.n_embd
-        return 6.0 * matmul_params + 12.0 * c.n_layer * c.n_embd * seq_len
+        return 6.0 * matmul_params + 12.0 * c.n_layer * c.n_head * c.head_size * seq_len
