@@ -5,7 +5,8 @@
     tpflash.checkpoint.latest("ckpt")                                            # ".../ckpt/step_100"
 
 `python -m tpflash.checkpoint consolidate DIR OUT.safetensors [--hf-dir HFDIR]` writes one
-unsharded file offline. See docs/checkpoints.md.
+unsharded file offline; `python -m tpflash.checkpoint export-hf DIR OUT_DIR` a Hugging Face model
+directory, one tensor at a time (`tpflash.checkpoint.export_hf.export_hf`). See docs/checkpoints.md.
 """
 from .api import load, save, wait_pending
 from .directory import latest

@@ -1,12 +1,12 @@
 """Offline consolidation: one unsharded safetensors file (and a Hugging Face model dir) from a checkpoint.
 
 Runs in a single CPU process with no torch.distributed setup: DCP's no-dist load reads every
-chunk of each "model.*" tensor into a full-size CPU tensor, whatever (dp, tp) wrote it.
+chunk of each "model.*" tensor into a full-size CPU tensor, whatever (dp, tp) wrote it. (For a
+Hugging Face directory alone, `export_hf.py` reads one tensor at a time instead of the model.)
 """
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import warnings
 from typing import Dict, Optional
@@ -16,7 +16,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import directory, integrity
-from .extras import CONFIG_FILE
 from .layout import MODEL_PREFIX
 
 
@@ -46,24 +45,12 @@ def _import(qualified: str):
 
 
 def export_hf(path: str, tensors: Dict[str, torch.Tensor], hf_dir: str) -> None:
-    """Rebuild the tpflash model from its stored config (tp=1, CPU), then save it with `tpflash.models.to_hf`."""
-    config_path = os.path.join(directory.resolve(path), CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise ValueError(f"{path} has no {CONFIG_FILE}: the saved model had no `.config`, so no Hugging Face "
-                         "model can be built (the safetensors file was written)")
-    with open(config_path) as f:
-        stored = json.load(f)
-    from tpflash.models import to_hf
-    from tpflash.parallel.state import get_default_state, set_default_state
-    config = _import(stored["class"])(**stored["fields"])
-    saved_state = get_default_state()
-    set_default_state(None)  # an unsharded (tp=1) model, even inside a distributed job
-    try:
-        model = _import(stored["model_class"])(config)
-    finally:
-        set_default_state(saved_state)
-    model.load_state_dict(tensors)
-    to_hf(model).save_pretrained(hf_dir)
+    """Write the Hugging Face model directory of checkpoint `path` from its full tensors (in memory here)
+    with the streaming writer of tpflash.models.pretrained_save (no transformers model is built)."""
+    from .export_hf import stored_config, tensors_from_dict, write_hf
+    config = stored_config(directory.resolve(path))
+    shapes = {key: value.shape for key, value in tensors.items()}
+    write_hf(config, shapes, tensors_from_dict(tensors), hf_dir, "5GB", None, tensors["tok_embeddings.weight"].dtype)
 
 
 def consolidate(src: str, out: str, hf_dir: Optional[str] = None) -> Dict[str, torch.Tensor]:
