@@ -225,3 +225,128 @@ def test_uneven_checkpoint_saved_at_tp2_loads_at_tp4_with_same_output(ranks, tmp
     root = str(tmp_path / "run")
     saved, logits = ranks(2).run(save_body, root)[0]
     ranks(4).run(load_body, root, 4, saved, logits)
+
+
+def padded_pair_body(tp, width, layout):
+    """Linear(DIM, width) -> sigmoid -> Linear(width, DIM) with tp not dividing width: "parallel" (column
+    output stays sharded), "gathered" (gather_output=True, then input_is_parallel=False), or
+    "sequence_parallel" ([seq/tp, b, DIM] in and out)."""
+    ps = init_tp(tp)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(DIM, width), nn.Sigmoid(), nn.Linear(width, DIM))
+    sp = layout == "sequence_parallel"
+    col = {"style": "colwise", "sequence_parallel": sp, "gather_output": layout == "gathered"}
+    row = {"style": "rowwise", "sequence_parallel": sp, "input_is_parallel": layout != "gathered"}
+    model = parallelize(copy.deepcopy(ref), {"0": col, "2": row}, ps)
+    torch.manual_seed(1)
+    x, grad = torch.randn(SEQ, BATCH, DIM), torch.randn(SEQ, BATCH, DIM)
+    rows = slice(ps.tp_rank * SEQ // tp, (ps.tp_rank + 1) * SEQ // tp) if sp else slice(None)
+    x_local, x_ref = x[rows].clone().requires_grad_(), x.clone().requires_grad_()
+    hidden = model[0](x_local)
+    real = model[0].local_real
+    assert hidden.shape[-1] == (width if layout == "gathered" else -(-width // tp))
+    if layout != "gathered":
+        assert torch.count_nonzero(hidden[..., real:]) == 0, "padding outputs of the column layer are not zero"
+    y, y_ref = model[2](model[1](hidden)), ref(x_ref)
+    assert_close(y, y_ref[rows], "output")
+    (y * grad[rows]).sum().backward()
+    (y_ref * grad).sum().backward()
+    assert_close(x_local.grad, x_ref.grad[rows], "input grad")
+    grads = full_grads(model)
+    for name, p in ref.named_parameters():
+        assert_close(grads[name], p.grad, f"grad of {name}")
+    assert_padding_zero(model, grads=True)
+
+
+def column_embedding_body(tp, sequence_parallel):
+    ps = init_tp(tp)
+    torch.manual_seed(0)
+    ref = nn.Embedding(13, 7, padding_idx=2)  # 7 features: padded at tp 2 and 4
+    model = parallelize(nn.Sequential(copy.deepcopy(ref)), {"0": {"style": "colwise",
+                                                                 "sequence_parallel": sequence_parallel}}, ps)
+    ids = torch.randint(0, 13, (SEQ, BATCH), generator=torch.Generator().manual_seed(3))
+    ids[0, 0] = 2
+    grad = torch.randn(SEQ, BATCH, 7, generator=torch.Generator().manual_seed(4))
+    rows = slice(ps.tp_rank * SEQ // tp, (ps.tp_rank + 1) * SEQ // tp) if sequence_parallel else slice(None)
+    out, out_ref = model(ids), ref(ids)
+    assert_close(out, out_ref[rows], "output")
+    (out * grad[rows]).sum().backward()
+    (out_ref * grad).sum().backward()
+    assert_close(full_grads(model)["0.weight"], ref.weight.grad, "weight grad")
+    assert_padding_zero(model, grads=True)
+
+
+@pytest.mark.parametrize("tp,width", [(2, 75), (4, 75), (4, 5)])  # 5 at tp=4: ranks hold 2, 2, 1, 0 real
+@pytest.mark.parametrize("layout", ["parallel", "gathered", "sequence_parallel"])
+def test_padded_column_sigmoid_row_pair_equals_the_two_linears(ranks, tp, width, layout):
+    ranks(tp).run(padded_pair_body, tp, width, layout)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_colwise_embedding_with_padded_features_matches_nn_embedding(ranks, tp, sequence_parallel):
+    ranks(tp).run(column_embedding_body, tp, sequence_parallel)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = self.a
+
+
+BAD_PLANS = {  # case: (model, plan, the rule the message names)
+    "matches_nothing": (TinyLM, {"blocks.*.attn.qq": "colwise"}, r"'blocks\.\*\.attn\.qq': matches no submodule"),
+    "vocab_on_linear": (TinyLM, {"head": "vocab"}, r"'head': style 'vocab' applies to nn\.Embedding, but 'head' is Linear"),
+    "rowwise_on_embedding": (TinyLM, {"tok": "rowwise"}, r"'tok': style 'rowwise' applies to nn\.Linear, but 'tok'"),
+    "not_linear_or_embedding": (TinyLM, {"blocks.*.ln1": "colwise"}, r"'blocks\.0\.ln1' is LayerNorm"),
+    "unknown_style": (TinyLM, {"head": "diagonal"}, r"'head': unknown style 'diagonal'"),
+    "unknown_option": (TinyLM, {"head": {"style": "rowwise", "gather_output": True}},
+                       r"options \['gather_output'\] do not apply to style 'rowwise'"),
+    "no_style": (TinyLM, {"head": {"gather_output": True}}, r"'head': the value must be a style name or a dict"),
+    "matched_twice": (TinyLM, {"blocks.*.mlp.up": "colwise", "blocks.0.mlp.*": "colwise"},
+                      r"'blocks\.0\.mlp\.\*': 'blocks\.0\.mlp\.up' is also matched by plan entry 'blocks\.\*\.mlp\.up'"),
+    "sp_row_needs_parallel_input": (TinyLM, {"head": {"style": "rowwise", "sequence_parallel": True,
+                                                      "input_is_parallel": False}},
+                                    r"sequence_parallel=True needs input_is_parallel=True"),
+    "tied_weights": (Tied, {"head": {"style": "colwise"}}, r"'head': head\.weight is tied to \['emb\.weight'\]"),
+    "shared_module": (Shared, {"a": "colwise"}, r"'a': 'a' is the same module as \['b'\]"),
+}
+
+
+def bad_plan_body(case):
+    import re
+    ps = init_tp(2)
+    make, bad, rule = BAD_PLANS[case]
+    torch.manual_seed(0)
+    model = make()
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=rule) as info:
+        parallelize(model, bad, ps)
+    assert re.search(r"^parallelize: plan entry ", str(info.value))
+    assert [type(m) for m in model.modules()] == before, "a failed parallelize changed the module"
+    dist.barrier(ps.tp_group)  # no rank is left inside a collective
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PLANS))
+def test_bad_plan_raises_the_same_value_error_on_every_rank(ranks, case):
+    messages = ranks(2).run(bad_plan_body, case)
+    assert len(set(messages)) == 1, messages
+
+
+def test_parallelize_without_a_process_group_keeps_the_parameters():
+    tpflash.parallel.set_default_state(None)
+    model = build(seed=0)
+    ids = batch()[0]
+    expected, params = model(ids), dict(model.named_parameters())
+    parallelize(model, plan(True))
+    assert all(p is params[n] for n, p in model.named_parameters()), "tp=1 must keep the same nn.Parameters"
+    assert torch.equal(model(ids), expected)
