@@ -36,19 +36,30 @@ def rotate(x, theta):
 
 
 class RefAttention(nn.Module):
-    def __init__(self, hidden, n_head, n_kv_head, bias=True, rotary=False, theta=10000.0):
+    """Plain attention; head_dim (default hidden // n_head), qkv_bias (default bias) and qk_norm (per-head
+    RMSNorm of q and k before rotary, Qwen3) as ParallelAttention's."""
+
+    def __init__(self, hidden, n_head, n_kv_head, bias=True, rotary=False, theta=10000.0, head_dim=None,
+                 qkv_bias=None, qk_norm=False, eps=1e-6):
         super().__init__()
-        self.n_head, self.n_kv_head, self.hd, self.rotary, self.theta = n_head, n_kv_head, hidden // n_head, rotary, theta
-        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_proj = nn.Linear(hidden, n_kv_head * self.hd, bias=bias)
-        self.v_proj = nn.Linear(hidden, n_kv_head * self.hd, bias=bias)
-        self.o_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.n_head, self.n_kv_head, self.rotary, self.theta = n_head, n_kv_head, rotary, theta
+        self.hd = hidden // n_head if head_dim is None else head_dim
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(hidden, n_head * self.hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, n_kv_head * self.hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, n_kv_head * self.hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_head * self.hd, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.hd, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.hd, eps) if qk_norm else None
 
     def forward(self, x):  # [seq, batch, hidden]
         s, b, _ = x.shape
-        q = self.q_proj(x).view(s, b, self.n_head, self.hd).permute(1, 2, 0, 3)
-        k = self.k_proj(x).view(s, b, self.n_kv_head, self.hd).permute(1, 2, 0, 3)
+        q = self.q_proj(x).view(s, b, self.n_head, self.hd)
+        k = self.k_proj(x).view(s, b, self.n_kv_head, self.hd)
         v = self.v_proj(x).view(s, b, self.n_kv_head, self.hd).permute(1, 2, 0, 3)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)
         if self.rotary:
             q, k = rotate(q, self.theta), rotate(k, self.theta)
         rep = self.n_head // self.n_kv_head
