@@ -230,13 +230,14 @@ def test_uneven_checkpoint_saved_at_tp2_loads_at_tp4_with_same_output(ranks, tmp
 def padded_pair_body(tp, width, layout):
     """Linear(DIM, width) -> sigmoid -> Linear(width, DIM) with tp not dividing width: "parallel" (column
     output stays sharded), "gathered" (gather_output=True, then input_is_parallel=False), or
-    "sequence_parallel" ([seq/tp, b, DIM] in and out)."""
+    "sequence_parallel" ([seq/tp, b, DIM] in and out), "overlap" (sequence_parallel, collectives pipelined
+    with the GEMMs)."""
     ps = init_tp(tp)
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(DIM, width), nn.Sigmoid(), nn.Linear(width, DIM))
-    sp = layout == "sequence_parallel"
-    col = {"style": "colwise", "sequence_parallel": sp, "gather_output": layout == "gathered"}
-    row = {"style": "rowwise", "sequence_parallel": sp, "input_is_parallel": layout != "gathered"}
+    sp, overlap = layout in ("sequence_parallel", "overlap"), layout == "overlap"
+    col = {"style": "colwise", "sequence_parallel": sp, "overlap": overlap, "gather_output": layout == "gathered"}
+    row = {"style": "rowwise", "sequence_parallel": sp, "overlap": overlap, "input_is_parallel": layout != "gathered"}
     model = parallelize(copy.deepcopy(ref), {"0": col, "2": row}, ps)
     torch.manual_seed(1)
     x, grad = torch.randn(SEQ, BATCH, DIM), torch.randn(SEQ, BATCH, DIM)
@@ -277,7 +278,7 @@ def column_embedding_body(tp, sequence_parallel):
 
 
 @pytest.mark.parametrize("tp,width", [(2, 75), (4, 75), (4, 5)])  # 5 at tp=4: ranks hold 2, 2, 1, 0 real
-@pytest.mark.parametrize("layout", ["parallel", "gathered", "sequence_parallel"])
+@pytest.mark.parametrize("layout", ["parallel", "gathered", "sequence_parallel", "overlap"])
 def test_padded_column_sigmoid_row_pair_equals_the_two_linears(ranks, tp, width, layout):
     ranks(tp).run(padded_pair_body, tp, width, layout)
 

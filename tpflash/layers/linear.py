@@ -63,10 +63,10 @@ def _zero_padding(x: torch.Tensor, real: int) -> torch.Tensor:
     return F.pad(x.narrow(-1, 0, real), (0, x.shape[-1] - real))
 
 
-def _local_real(spec: ShardSpec, rank: int, tp: int) -> int:
-    """How many of this rank's ceil(full/tp) features are real (the rest is padding)."""
+def _local_real_and_padding(spec: ShardSpec, rank: int, tp: int) -> tuple:
+    """(real, padding): how many of this rank's ceil(full/tp) features are real, and how many padding."""
     start, end = spec.local_range(rank, tp)
-    return end - start
+    return end - start, spec.chunk(tp) - (end - start)
 
 
 def _overlap_applies(sequence_parallel: bool, seq_dim: int, group, overlap: Optional[bool],
@@ -136,7 +136,8 @@ class ColumnParallelLinear(nn.Module):
         self.overlap, self.save_gathered_input = overlap, save_gathered_input
         self.tp_shard_specs = {"weight": ShardSpec(0, out_features)}
         self.padded = out_features % tp != 0  # same on every rank
-        self.local_real = _local_real(self.tp_shard_specs["weight"], rank, tp)  # real output features here
+        # output features of this rank: the real ones, then zero padding (only on the last rank(s))
+        self.local_real, self.local_padding = _local_real_and_padding(self.tp_shard_specs["weight"], rank, tp)
         weight, b = init_linear_full(out_features, in_features, bias, init_method, device, dtype)
         self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(weight, rank, tp))
         if bias:
@@ -162,7 +163,7 @@ class ColumnParallelLinear(nn.Module):
             y = comm.gather_along_dim(y, -1, self.process_group)
             if self.padded:  # the padding is at the end of the gathered features; its gradient is zero
                 y = y.narrow(-1, 0, self.out_features)
-        elif self.local_real < y.shape[-1]:
+        elif self.local_padding:
             y = _zero_padding(y, self.local_real)  # values already zero: this drops their gradient
         return y
 
@@ -197,7 +198,7 @@ class RowParallelLinear(nn.Module):
         self.tp_shard_specs = {"weight": ShardSpec(1, in_features)}
         spec = self.tp_shard_specs["weight"]
         self.padded_in_features = spec.chunk(tp) * tp  # in_features, or the next multiple of tp
-        self.local_real = _local_real(spec, rank, tp)  # real input features here
+        self.local_real, self.local_padding = _local_real_and_padding(spec, rank, tp)  # input features here
         weight, b = init_linear_full(out_features, in_features, bias, init_method, device, dtype)
         self.weight = nn.Parameter(spec.shard(weight, rank, tp))
         self.bias = nn.Parameter(b) if bias else None
@@ -217,7 +218,7 @@ class RowParallelLinear(nn.Module):
             if self.padded_in_features != self.in_features:  # [*, in] -> [*, padded]: zero padding features
                 x = F.pad(x, (0, self.padded_in_features - self.in_features))
             x = comm.split_along_dim(x, -1, self.process_group)
-        elif self.local_real < self.weight.shape[-1]:
+        elif self.local_padding:
             x = _zero_padding(x, self.local_real)  # e.g. act(0) != 0 from a padded column layer
         if _pipelined(self, x):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
             return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp())
