@@ -66,7 +66,7 @@ class _Target:
         return tuple(reversed(shape)) if self.source.transpose else tuple(shape)
 
 
-def _targets(model: torch.nn.Module) -> List[_Target]:
+def targets(model: torch.nn.Module) -> List[_Target]:
     """A _Target per state-dict entry of a GPT (tp shard specs from the modules, HF names from hf.py)."""
     sharded = {key: (spec, group) for key, spec, group in iter_sharded(model)}
     tensors = model.state_dict(keep_vars=True)
@@ -83,7 +83,7 @@ def check_files(model: torch.nn.Module, files: HFFiles) -> Dict[str, str]:
     the expected full shape; ValueError naming the tensor, the file and both shapes otherwise.
     Reads headers only, no communication: every rank reaches the same verdict."""
     names = {}
-    for t in _targets(model):
+    for t in targets(model):
         name = files.lookup(t.source.key)
         if name is None:
             raise ValueError(f"{files.hf_dir!r}: tensor {t.source.key!r} (tpflash {t.key}) is in none of its "
@@ -113,29 +113,34 @@ def _local_block(param: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
     return local, offsets
 
 
+def owned_block(target: _Target) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+    """(this rank's storage of the target, the view of its real part, that view's offset per dim in the
+    unsharded tensor). The real part is a prefix along the tp dim: padding comes only at the end, and
+    a rank holding only padding gets an empty view. Under FSDP the storage is the DTensor's local shard."""
+    local, offsets = _local_block(target.param)
+    view = local
+    if target.spec is not None:  # tp-local -> unsharded coordinates, padding clipped
+        d, full = target.spec.dim, target.spec.full_size
+        start = min(target.tp_rank * target.spec.chunk(target.tp_size) + offsets[d], full)
+        view = local.narrow(d, 0, min(local.shape[d], full - start))
+        offsets[d] = start
+    return local, view, offsets
+
+
 def _fill(target: _Target, file, name: str) -> int:
     """Copy this rank's block of HF tensor `name` (from the open safe_open `file`) into the target,
-    zeroing tp padding; returns the bytes read. Shapes: the block is [rows, cols] (or [rows]) of
-    the unsharded tpflash tensor, read from the HF tensor through `HFSource.box`."""
-    local, offsets = _local_block(target.param)
-    ranges, real = [], []  # per dim: [start, end) in the unsharded tensor, and how much of `local` is real
-    for d, (offset, size) in enumerate(zip(offsets, local.shape)):
-        start, end = offset, offset + size
-        if target.spec is not None and d == target.spec.dim:  # tp-local -> unsharded, padding clipped
-            base = target.tp_rank * target.spec.chunk(target.tp_size)
-            start, end = min(base + start, target.spec.full_size), min(base + end, target.spec.full_size)
-        ranges.append((start, end))
-        real.append(end - start)
-    dest = local
-    for d, n in enumerate(real):
-        if n < local.shape[d]:
-            local.narrow(d, n, local.shape[d] - n).zero_()  # padding rows of a padded vocabulary stay zero
-        dest = dest.narrow(d, 0, n)
-    if dest.numel() == 0:
+    zeroing tp padding; returns the bytes read. The block is [rows, cols] (or [rows]) of the
+    unsharded tpflash tensor, read from the HF tensor through `HFSource.box`."""
+    local, view, offsets = owned_block(target)
+    if target.spec is not None and view.shape != local.shape:  # padding rows of a padded vocabulary stay zero
+        d = target.spec.dim
+        local.narrow(d, view.shape[d], local.shape[d] - view.shape[d]).zero_()
+    if view.numel() == 0:
         return 0
+    ranges = [(o, o + n) for o, n in zip(offsets, view.shape)]
     slices, transpose = target.source.box(ranges[0], target.hf_shape(), ranges[1] if len(ranges) > 1 else None)
     piece = file.get_slice(name)[slices]  # a view of the mapped file: nothing is copied until copy_
-    dest.copy_(piece.t() if transpose else piece)  # converts the dtype element by element, no full temporary
+    view.copy_(piece.t() if transpose else piece)  # converts the dtype element by element, no full temporary
     return piece.numel() * piece.element_size()
 
 
@@ -161,13 +166,13 @@ def load_pretrained_weights(model: torch.nn.Module, hf_dir: str, files: Optional
         verbose = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     _check_no_uninitialised_buffers(model)
     by_file: Dict[str, List[_Target]] = defaultdict(list)
-    for t in _targets(model):
+    for t in targets(model):
         by_file[files.tensors[names[t.key]].file].append(t)
     done = 0
-    for k, (path, targets) in enumerate(sorted(by_file.items())):
-        _log(f"[tpflash] loading {os.path.basename(path)} ({k + 1}/{len(by_file)}, {len(targets)} tensors)", verbose)
+    for k, (path, in_file) in enumerate(sorted(by_file.items())):
+        _log(f"[tpflash] loading {os.path.basename(path)} ({k + 1}/{len(by_file)}, {len(in_file)} tensors)", verbose)
         with safe_open(path, framework="pt") as f:
-            for t in targets:
+            for t in in_file:
                 done += _fill(t, f, names[t.key])
     return done
 

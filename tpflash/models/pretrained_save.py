@@ -4,9 +4,10 @@ it shares with the offline `python -m tpflash.checkpoint export-hf`.
 The output is what transformers' own save_pretrained writes: `model.safetensors`, or
 `model-0000k-of-0000N.safetensors` + `model.safetensors.index.json`, then `config.json`,
 `generation_config.json` and, from a source model directory, its tokenizer files. Tensors are
-fetched one Hugging Face tensor at a time (every rank takes part in the gathers, in the same
-order) and rank 0 writes each straight into its file: the writer holds one tensor, never a
-shard file's worth. Every file is written as `name.tmp` and renamed once all are complete.
+fetched one Hugging Face tensor at a time: every rank sends rank 0 the block of it that it holds
+(point to point, each distinct block once), and rank 0 writes the tensor straight into its
+file. Rank 0 holds one tensor, never a shard file's worth; the other ranks send views of their
+own shards. Every file is written as `name.tmp` and renamed once all are complete.
 """
 from __future__ import annotations
 
@@ -17,11 +18,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from ..parallel import comm
-from ..parallel.sharding import iter_sharded
-from ..parallel.state import group_size
+from . import pretrained
 from .config import GPTConfig
 from .hf import HFSource, hf_tensor, hf_tensor_names
 from .hf_config import hf_config_dict
@@ -137,14 +135,55 @@ def write_hf_dir(out_dir: str, cfg: GPTConfig, plan: List[Tuple[TensorPlan, Part
     return error
 
 
-def _full_tensor(param: torch.Tensor, spec, group) -> torch.Tensor:
-    """The unsharded tensor of one parameter: gathered over dp (FSDP DTensor), then over tp (ShardSpec).
-    Collective over those groups; every rank gets it."""
-    t = param.full_tensor() if isinstance(param, DTensor) else param
-    t = t.detach()
-    if spec is not None and group_size(group) > 1:
-        t = spec.unpad(comm.all_gather(t, spec.dim, group))
-    return t
+class _BlockGather:
+    """Gathers full tensors on rank 0 from every rank's owned block (pretrained.owned_block: a
+    rectangle of the unsharded tensor, tp padding dropped, FSDP's dp split included), by point-to-
+    point sends: rank 0 receives each distinct rectangle once (from the lowest rank holding it),
+    straight into the full tensor where the rectangle is contiguous there. No rank holds more than
+    its blocks, and rank 0 one full tensor. Every rank of the job must take part."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.targets = {t.key: t for t in pretrained.targets(model)}
+        mine = {key: (offsets, list(view.shape)) for key, t in self.targets.items()
+                for _, view, offsets in [pretrained.owned_block(t)]}
+        self.rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        everyone = [mine]
+        if world > 1:  # one exchange of block coordinates, before any tensor moves
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine)
+        self.blocks = everyone
+
+    def _senders(self, key: str) -> List[Tuple[int, List[int], List[int]]]:
+        """(rank, offsets, sizes) of each distinct non-empty rectangle of `key`, lowest rank first."""
+        seen, out = set(), []
+        for rank, blocks in enumerate(self.blocks):
+            offsets, sizes = blocks[key]
+            if 0 not in sizes and (tuple(offsets), tuple(sizes)) not in seen:
+                seen.add((tuple(offsets), tuple(sizes)))
+                out.append((rank, offsets, sizes))
+        return out
+
+    def full(self, key: str) -> Optional[torch.Tensor]:
+        """The unsharded CPU tensor of `key` on rank 0 (None elsewhere). Collective over the world."""
+        t = self.targets[key]
+        _, view, _ = pretrained.owned_block(t)
+        senders = self._senders(key)
+        if self.rank != 0:
+            if any(rank == self.rank for rank, _, _ in senders):
+                dist.send(view.contiguous(), dst=0)
+            return None
+        full = torch.empty(t.full_shape(), dtype=view.dtype)
+        for rank, offsets, sizes in senders:
+            region = full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+            if rank == 0:
+                region.copy_(view)
+            elif region.is_contiguous() and view.device.type == "cpu":
+                dist.recv(region, src=rank)  # straight into place: no temporary
+            else:
+                piece = torch.empty(sizes, dtype=view.dtype, device=view.device)
+                dist.recv(piece, src=rank)
+                region.copy_(piece)
+        return full
 
 
 def _agree_on_error(error: Optional[BaseException]) -> None:
@@ -165,8 +204,8 @@ def save_pretrained(model: torch.nn.Module, out_dir: str, max_shard_size: Union[
                     tokenizer_from: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> str:
     """Write `model` (a tpflash GPT: tp, FSDP or both) as a Hugging Face model directory `out_dir`.
 
-    Collective: call on every rank of the job (each tensor is all-gathered over the model's tp
-    group and, under FSDP, its dp group; rank 0 writes). dtype: default the parameters' dtype.
+    Collective: call on every rank of the job (each rank sends rank 0 its blocks of each tensor,
+    whatever its tp / FSDP layout; rank 0 writes). dtype: default the parameters' dtype.
     max_shard_size: bytes or "5GB"/"2GiB" per file. tokenizer_from: a Hugging Face model
     directory whose tokenizer files (and generation_config.json, and token ids) are copied.
     A tied model writes no lm_head.weight. Returns out_dir.
@@ -174,20 +213,14 @@ def save_pretrained(model: torch.nn.Module, out_dir: str, max_shard_size: Union[
     max_bytes = check_export_args(out_dir, max_shard_size, tokenizer_from)
     cfg = model.config
     hf_config_dict(cfg)  # ValueError for configs no Hugging Face family describes, before any collective
-    sharded = {key: (spec, group) for key, spec, group in iter_sharded(model)}
-    params = model.state_dict(keep_vars=True)
-    shapes = {}
-    for key, p in params.items():
-        shape = list(p.shape)  # an FSDP DTensor's shape is the tp-local one
-        spec, group = sharded.get(key, (None, None))
-        if spec is not None:
-            shape[spec.dim] = spec.full_size
-        shapes[key] = shape
-    dtype = dtype or next(iter(params.values())).dtype
-    writer = not dist.is_initialized() or dist.get_rank() == 0
+    gather = _BlockGather(model)
+    shapes = {key: t.full_shape() for key, t in gather.targets.items()}
+    dtype = dtype or next(iter(gather.targets.values())).param.dtype
+    writer = gather.rank == 0
 
-    def fetch(parts: Parts) -> torch.Tensor:
-        return hf_tensor(parts, {key: _full_tensor(params[key], *sharded.get(key, (None, None))) for key, _ in parts})
+    def fetch(parts: Parts) -> Optional[torch.Tensor]:
+        tensors = {key: gather.full(key) for key, _ in parts}
+        return hf_tensor(parts, tensors) if writer else None
 
     _agree_on_error(write_hf_dir(out_dir, cfg, hf_plan(cfg, shapes, dtype), max_bytes, fetch, writer, tokenizer_from))
     return out_dir
