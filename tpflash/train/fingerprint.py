@@ -10,7 +10,8 @@ which compares it across all ranks right after the world's process group exists 
 raises the same error when they differ.
 
 The fingerprint is the resolved config field by field, the resolved model config, and the
-training and held-out tokens by length and a digest of evenly spaced windows. Paths are compared
+training and held-out tokens by length and a digest of evenly spaced windows (for jsonl data, the
+packed rows' inputs and targets: tpflash.train.packing.PackedRows.tokens). Paths are compared
 only as set or unset (nodes may mount the same files under different paths): the digest decides
 whether the data is the same.
 """
