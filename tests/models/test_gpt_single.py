@@ -8,6 +8,8 @@ from tpflash.models import GPT, PRESETS, GPTConfig
 def tiny(family, **kw):
     base = "gpt2-tiny" if family == "gpt2" else "llama-tiny"
     size = dict(vocab_size=101, block_size=16, n_layer=2, n_embd=32, n_head=4, ffn_hidden=64)
+    if family == "qwen3":  # per-head q/k norm, heads wider than n_embd / n_head
+        size.update(head_dim=16, qk_norm=True)
     return GPTConfig.preset(base, **{**size, **kw})
 
 
@@ -18,7 +20,7 @@ def test_every_preset_is_a_valid_config(name):
 
 
 @pytest.mark.parametrize("fused_loss", [True, False])
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
 def test_loss_under_bf16_autocast_is_close_to_fp32(family, fused_loss):
     torch.manual_seed(0)
     model = GPT(tiny(family, fused_loss=fused_loss))
