@@ -126,15 +126,14 @@ class GPT(nn.Module):
     def hidden_states(self, idx: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
                       cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
         """The final-norm output, [seq, batch, hidden] ([seq/tp, batch, hidden] under SP). Packed
-        documents as in `forward` (here position_ids must be given whenever cu_seqlens is)."""
-        packed = position_ids is not None or cu_seqlens is not None
-        x, residual = self.embed(idx, position_ids), None
-        if not packed and self._graphed_blocks is not None and self._graphed_blocks.matches(x):
+        documents as in `forward`."""
+        packing = packing_kwargs(idx, position_ids, cu_seqlens, max_seqlen)  # {} for an unpacked batch
+        x, residual = self.embed(idx, packing.get("position_ids")), None
+        if not packing and self._graphed_blocks is not None and self._graphed_blocks.matches(x):
             x, residual = self._graphed_blocks(x)  # captured for unpacked batches only
         else:
-            kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen) if packed else {}
             for block in self.blocks:
-                x, residual = block(x, residual, **kw)
+                x, residual = block(x, residual, **packing)
         return self.final_norm(x, residual=residual)[0]
 
     def capture_cuda_graphs(self, batch_size: int, seq_len: int) -> None:
