@@ -79,8 +79,8 @@ def _warm_up(ps):
     that is not part of any load."""
     from tpflash.models import GPTConfig
     from tpflash.models.pretrained import build_on_meta
-    from tpflash.parallel import apply_fsdp
-    apply_fsdp(build_on_meta(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)), ps)
+    from tpflash.parallel import NO_GROUP, apply_fsdp
+    apply_fsdp(build_on_meta(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16), NO_GROUP), ps)
 
 
 def load_body(hf_dir, tp, fsdp):
