@@ -101,3 +101,21 @@ def test_a_completion_target_changes_the_gradient_and_so_would_an_unmasked_promp
     unmasked = batch.targets.clone()
     unmasked[0, 0] = batch.inputs[0, 1]  # the first prompt position, given its next token as a target
     _assert_differ(_grads(model, batch.inputs, unmasked, batch, count), reference)
+
+
+def test_one_example_per_row_skips_boundaries_and_equals_the_varlen_path(model):
+    """pack=false rows (an example, then padding) run plain causal attention: the same loss and
+    gradients as giving the model the rows' documents (example | padding) explicitly."""
+    _, docs, _, _ = _packed(4)
+    rows = pack(docs, SEQ, packed=False)
+    batch = rows.batch(range(len(rows)))
+    assert batch.cu_seqlens is None and forward_kwargs(batch, lambda t: t) == {"reduction": "sum"}
+    lens = [len(ids) for ids, _ in docs]
+    cu = torch.tensor(np.cumsum([0] + [n for k in lens for n in (k, SEQ - k) if n]), dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for k in lens for n in (k, SEQ - k) if n]).view(len(lens), SEQ)
+    count = rows.loss_tokens(range(len(rows)))
+    plain = _grads(model, batch.inputs, batch.targets, batch, count)
+    model.zero_grad(set_to_none=True)
+    (model(batch.inputs, batch.targets, position_ids=positions, cu_seqlens=cu, max_seqlen=SEQ,
+           reduction="sum") / count).backward()
+    _assert_same(plain, {name: p.grad.clone() for name, p in model.named_parameters()}, tol=1e-5)

@@ -37,20 +37,25 @@ class PackedBatch:
     """Rows of a batch, everything [batch, seq] but cu_seqlens: inputs, targets (int64), positions
     (restarting at 0 in every document), cu_seqlens (int32 [n_docs + 1]: the documents' offsets in
     the batch-major flattening of [batch, seq]; the last is batch * seq) and max_seqlen (the longest
-    document)."""
+    document). positions and cu_seqlens are None for rows of one example each (no boundaries needed)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
-    positions: torch.Tensor
-    cu_seqlens: torch.Tensor
+    positions: Optional[torch.Tensor]
+    cu_seqlens: Optional[torch.Tensor]
     max_seqlen: int
 
 
 class PackedRows:
     """Packed rows of seq_len tokens (see the module docstring); sample i is row i."""
 
-    def __init__(self, inputs: np.ndarray, targets: np.ndarray, doc_lens: List[np.ndarray]):
+    def __init__(self, inputs: np.ndarray, targets: np.ndarray, doc_lens: List[np.ndarray],
+                 one_example_per_row: bool = False):
         self.seq_len = inputs.shape[1]
+        # A row of one example followed by padding needs no document boundaries: under causal attention
+        # the example never sees the padding after it, and the padding's outputs carry no loss. Such
+        # batches then take the plain batched attention path (cuDNN on GPUs) instead of the varlen one.
+        self.one_example_per_row = one_example_per_row
         # inputs and targets side by side, [rows, 2, seq]: `tokens` is then one flat view of both
         self._rows = np.stack([inputs, targets], axis=1).astype(np.int32)
         self._doc_start = np.cumsum([0] + [len(d) for d in doc_lens])  # row r's documents: [start[r], start[r+1])
@@ -79,6 +84,8 @@ class PackedRows:
 
     def batch(self, indices: Sequence[int]) -> PackedBatch:
         rows = torch.from_numpy(self._rows[np.asarray(indices, dtype=np.int64)].astype(np.int64))
+        if self.one_example_per_row:
+            return PackedBatch(rows[:, 0].contiguous(), rows[:, 1].contiguous(), None, None, self.seq_len)
         lens = [self.doc_lens(int(i)) for i in indices]
         positions = np.concatenate([np.arange(n) for row in lens for n in row]).reshape(len(indices), self.seq_len)
         cu = np.concatenate([[0], np.cumsum(np.concatenate(lens))]).astype(np.int32)
@@ -128,7 +135,7 @@ def pack(docs: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len: int, packed: bo
         if at < seq_len:
             lens.append(seq_len - at)  # the padding, a document of its own
         doc_lens.append(np.asarray(lens))
-    return PackedRows(inputs, targets, doc_lens)
+    return PackedRows(inputs, targets, doc_lens, one_example_per_row=not packed)
 
 
 def pack_examples(examples: Sequence[Example], seq_len: int, seed: int, eval_fraction: float,
@@ -174,5 +181,7 @@ def load_packed(cfg: DataConfig, tokenizer, seq_len: int, seed: int) -> Tuple[Pa
 
 def forward_kwargs(batch: PackedBatch, to_device) -> Dict[str, object]:
     """The model's keyword arguments for a packed batch: documents, and losses summed (not averaged)."""
+    if batch.cu_seqlens is None:  # one example per row: plain causal attention is exact
+        return {"reduction": "sum"}
     return {"position_ids": to_device(batch.positions), "cu_seqlens": to_device(batch.cu_seqlens),
             "max_seqlen": batch.max_seqlen, "reduction": "sum"}
