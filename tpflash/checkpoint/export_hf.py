@@ -9,6 +9,7 @@ The output is the one `tpflash.models.save_pretrained` writes.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from typing import Dict, List, Optional, Union
@@ -17,6 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..models.hf import hf_tensor
+from ..models.hf_config import hf_config_dict
+from ..models.pretrained_save import check_export_args, hf_plan, write_hf_dir
 from . import directory, integrity
 from .consolidate import _import, load_in_one_process
 from .extras import CONFIG_FILE
@@ -39,15 +43,23 @@ def stored_config(path: str):
 
 def tensors_from_dict(tensors: Dict[str, torch.Tensor]):
     """A fetch function (see write_hf_dir) over full tpflash tensors already in memory."""
-    from ..models.hf import hf_tensor
     return lambda parts: hf_tensor(parts, tensors)
+
+
+def _release_freed_heap() -> None:
+    """Return freed heap pages to the OS (glibc keeps freed blocks under 32 MiB in its heap, where
+    DCP's per-chunk read buffers would otherwise add up across tensors). A no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _dcp_fetch(reader: dcp.FileSystemReader, saved: dict):
     """A fetch function that reads just the parts' keys from the checkpoint (full-size, CPU)."""
-    from ..models.hf import hf_tensor
 
     def fetch(parts):
+        _release_freed_heap()  # the last tensor's DCP read buffers: keep the process at one tensor's worth
         state = {MODEL_PREFIX + key: torch.empty(saved[MODEL_PREFIX + key].size,
                                                  dtype=saved[MODEL_PREFIX + key].properties.dtype) for key, _ in parts}
         load_in_one_process(state, reader)
@@ -58,8 +70,6 @@ def _dcp_fetch(reader: dcp.FileSystemReader, saved: dict):
 def write_hf(cfg, shapes: Dict[str, torch.Size], fetch, out_dir: str, max_shard_size: Union[int, str],
              tokenizer_from: Optional[str], dtype: torch.dtype) -> str:
     """Write the Hugging Face directory of a GPT of `cfg` whose full tensors {key: shape} `fetch` gives."""
-    from ..models.hf_config import hf_config_dict
-    from ..models.pretrained_save import check_export_args, hf_plan, write_hf_dir
     max_bytes = check_export_args(out_dir, max_shard_size, tokenizer_from)
     hf_config_dict(cfg)  # ValueError for a config no Hugging Face family describes
     error = write_hf_dir(out_dir, cfg, hf_plan(cfg, shapes, dtype), max_bytes, fetch, True, tokenizer_from)
