@@ -79,8 +79,8 @@ def _warm_up(ps):
     that is not part of any load."""
     from tpflash.models import GPTConfig
     from tpflash.models.pretrained import build_on_meta
-    from tpflash.parallel import NO_GROUP, apply_fsdp
-    apply_fsdp(build_on_meta(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16), NO_GROUP), ps)
+    from tpflash.parallel import apply_fsdp
+    apply_fsdp(build_on_meta(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=4, n_embd=16)), ps)
 
 
 def load_body(hf_dir, tp, fsdp):
@@ -119,6 +119,7 @@ _OFFLINE = """
 import sys
 from benchmarks.rss import PeakRss
 from tpflash.checkpoint.export_hf import export_hf
+export_hf(sys.argv[1], sys.argv[2] + "-warm-up", max_shard_size=int(sys.argv[3]))  # lazy imports: ~30 MiB once
 with PeakRss() as rss:
     export_hf(sys.argv[1], sys.argv[2], max_shard_size=int(sys.argv[3]))
 print(rss.anon_growth)

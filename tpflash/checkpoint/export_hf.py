@@ -46,6 +46,16 @@ def tensors_from_dict(tensors: Dict[str, torch.Tensor]):
     return lambda parts: hf_tensor(parts, tensors)
 
 
+def _large_blocks_from_mmap() -> None:
+    """Serve every allocation of 1 MiB or more with its own mmap, returned to the OS when freed. glibc
+    otherwise raises that threshold up to 32 MiB as blocks are freed and keeps such blocks in its heap,
+    where DCP's read buffers of successive tensors fragment it. This tool is one offline process."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _release_freed_heap() -> None:
     """Return freed heap pages to the OS (glibc keeps freed blocks under 32 MiB in its heap, where
     DCP's per-chunk read buffers would otherwise add up across tensors). A no-op elsewhere."""
@@ -83,6 +93,7 @@ def export_hf(src: str, out_dir: str, max_shard_size: Union[int, str] = "5GB", t
     """Write checkpoint `src` (a step dir or a root: its latest) as a Hugging Face model directory
     `out_dir`, in the checkpoint's dtype unless `dtype` is given. Returns out_dir."""
     path = directory.resolve(src)
+    _large_blocks_from_mmap()
     if verify:
         integrity.verify(path)
     cfg = stored_config(path)
