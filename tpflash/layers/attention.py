@@ -181,7 +181,11 @@ class ParallelAttention(nn.Module):
             out = out.transpose(0, 1)
         else:
             out = self._packed_attention(q, k, v, position_ids, cu_seqlens, max_seqlen)
-        return self.o_proj(out.reshape(seq, batch, self.local_heads * self.head_dim))  # [seq(/tp), b, hidden]
+        # contiguous: a [seq, b, hidden] view of [b, seq, ...] memory would make o_proj a batched GEMM of
+        # `batch` rows per matrix, several times slower than one GEMM over every token (measured on an
+        # H100 for packed batches, whose varlen output is batch-major: docs/performance.md, "Fine-tuning")
+        out = out.reshape(seq, batch, self.local_heads * self.head_dim).contiguous()
+        return self.o_proj(out)  # [seq(/tp), b, hidden]
 
     def _packed_attention(self, q, k, v, position_ids, cu_seqlens, max_seqlen) -> torch.Tensor:
         """q/k/v [seq, b, heads, hd] -> out [seq, b, heads, hd], rotary at position_ids, attention kept

@@ -163,6 +163,12 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.theta, self.scaling, self.max_positions = head_dim, theta, scaling, max_positions
         self._tables: Dict[Tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the angles depend on the forward's length (dynamic and longrope scaling), not only
+        on the positions: other kinds can read any length's table at positions below that length."""
+        return self.scaling is not None and self.scaling["rope_type"] in ("dynamic", "longrope")
+
     def tables(self, seq_len: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [seq_len, head_dim/2] fp32, for positions 0..seq_len-1 of a forward whose
         length (max position + 1) is seq_len."""
@@ -186,7 +192,10 @@ class RotaryEmbedding(nn.Module):
         if position_ids is None:
             cos, sin = self.tables(q.shape[1], q.device)
         else:
-            cos, sin = self.tables(length or q.shape[0], q.device)
+            # Packed batches change their longest document every step; a table per length would be
+            # rebuilt (and copied to the device) in every layer every step where the angles do not
+            # depend on the length: there, one table of the tokens' count serves every batch.
+            cos, sin = self.tables(length if self.length_dependent and length else q.shape[0], q.device)
             cos, sin = cos[position_ids], sin[position_ids]  # [tokens, head_dim/2]
         return kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)
 
