@@ -17,37 +17,13 @@ import argparse
 import json
 import os
 import random
-import threading
+import sys
 import time
 
 import torch
 
-
-def rss_anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakRss:
-    """Samples RssAnon every 5 ms while open: .peak_growth is the largest rise over the start."""
-
-    def __enter__(self):
-        self.start, self.peak, self._stop = rss_anon_bytes(), 0, threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def _watch(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_anon_bytes() - self.start)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak_growth = max(self.peak, rss_anon_bytes() - self.start)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.rss import PeakRss  # noqa: E402
 
 
 CUDA = torch.cuda.is_available()  # CPU: a tiny dry run of the script itself (--layers 1 --seq 128 --hidden 64)
@@ -120,7 +96,7 @@ def train(hf_dir, data, pack, steps, batch, seq):
     sync()
     seconds = time.perf_counter() - t0
     loss = float(out["loss"])
-    result = dict(pack=pack, build_s=build_s, load_rss_anon_gib=rss.peak_growth / 2**30,
+    result = dict(pack=pack, build_s=build_s, load_rss_anon_gib=rss.anon_growth / 2**30,
                   gpu_mem_after_load_gib=loaded_gib, step_ms=seconds / steps * 1e3,
                   loss_tokens_per_s=counted / seconds, row_tokens_per_s=padded / seconds,
                   loss_token_share=counted / padded, peak_gpu_gib=gpu_gib(),
