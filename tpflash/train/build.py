@@ -76,7 +76,7 @@ def resolve_model_config(fields: Dict[str, Any], vocab_size: Optional[int], conf
 
 
 def hf_model_config(hf_dir: str, preset: Optional[str], config_cls) -> Any:
-    """The GPTConfig of the Hugging Face model saved in `hf_dir` (local files, GPT-2 or Llama)."""
+    """The GPTConfig of the Hugging Face model saved in `hf_dir` (its config.json, read as JSON)."""
     from ..models import GPTConfig
     if preset:
         raise ValueError(f"model.preset={preset!r} and model.init_from={hf_dir!r} both choose the model: give one "
