@@ -5,7 +5,8 @@ import torch.nn.functional as F
 
 from tests.kernels.helpers import DEVICE, assert_rel, needs_interpreter
 from tpflash.kernels import use_backend
-from tpflash.kernels.cross_entropy import INTERPRET_STATS, cross_entropy_grad, cross_entropy_stats
+from tpflash.kernels.cross_entropy import cross_entropy_grad, cross_entropy_stats
+from tpflash.kernels.cross_entropy_kernel import INTERPRET_STATS
 from tpflash.losses import vocab_parallel_cross_entropy
 
 

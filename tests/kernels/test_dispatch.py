@@ -28,3 +28,11 @@ def test_unknown_backend_names_are_rejected(monkeypatch):
     monkeypatch.setenv("TPFLASH_KERNELS", "cuda")
     with pytest.raises(ValueError, match=r"TPFLASH_KERNELS='cuda' must be one of"):
         dispatch.requested_backend()
+
+
+def test_without_triton_auto_runs_the_reference_and_forcing_triton_says_why(monkeypatch):
+    monkeypatch.delenv("TPFLASH_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    assert dispatch.pick(torch.zeros(1)) == "reference"
+    with use_backend("triton"), pytest.raises(ValueError, match="Triton is not installed"):
+        dispatch.pick(torch.zeros(1))

@@ -1,6 +1,8 @@
 """Which implementation a kernel call runs: Triton, the plain-PyTorch reference, or torch SDPA.
 
 "auto" (the default) runs Triton when the tensors are on CUDA and the reference otherwise.
+Triton is imported only when a kernel runs: CPU installs need no Triton (CUDA builds of torch
+bring it), and a CUDA machine without it runs the references.
 `TPFLASH_KERNELS=auto|triton|reference` sets the process-wide choice; `use_backend(name)`
 overrides it inside a `with` block (tests force "triton" on CPU under TRITON_INTERPRET=1).
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import os
 from typing import Iterator, Optional
@@ -42,8 +45,9 @@ def use_backend(name: str) -> Iterator[None]:
         _forced.reset(token)
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
-    """Whether Triton can be imported here."""
+    """Whether Triton can be imported here (asked once: a failed import is slow to repeat per kernel call)."""
     try:
         importlib.import_module("triton")
     except ImportError:
@@ -61,6 +65,9 @@ def pick(x: torch.Tensor) -> str:
     name = requested_backend()
     if name == "auto":
         return "triton" if x.is_cuda and triton_available() else "reference"
+    if name == "triton" and not triton_available():
+        raise ValueError("backend 'triton' was requested but Triton is not installed (CUDA builds of torch "
+                         "bring it; for the CPU interpreter: pip install triton, or tpflash's [test] extra)")
     if name == "triton" and not x.is_cuda and not interpreting():
         raise ValueError("backend 'triton' was forced for a CPU tensor but TRITON_INTERPRET is not set "
                          "(Triton runs on CPU only in interpreter mode)")
