@@ -164,3 +164,18 @@ def test_presets_build_and_count_parameters():
     with torch.device("meta"):
         assert GPT(GPTConfig.preset("gpt2-small")).num_params() == 124_475_904
         assert GPT(GPTConfig.preset("llama-7b")).num_params() == 6_738_415_616
+
+
+def _no_group_body():
+    """A GPT built with NO_GROUP under a tp=2 default state is a whole (tp=1) model in every layer."""
+    from tpflash.parallel import NO_GROUP
+    init_tp(2)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32), process_group=NO_GROUP)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def test_gpt_with_no_group_keeps_every_layer_whole_under_a_default_tp_state(ranks):
+    for shapes in ranks(2).run(_no_group_body):
+        assert shapes["tok_embeddings.weight"] == (64, 32)
+        assert shapes["blocks.0.attn.q_proj.weight"] == (32, 32)
+        assert shapes["blocks.0.mlp.up_proj.weight"] == (128, 32)

@@ -20,7 +20,7 @@ import torch.nn as nn
 from .. import kernels
 from ..parallel import comm
 from ..parallel.sharding import ShardSpec
-from ..parallel.state import group_rank, group_size, resolve_tp_group
+from ..parallel.state import group_rank, group_size, resolve_tp_group, sublayer_group
 from .autocast_linear import linear
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_linears, init_linear_full
 from .norm import HeadNorm
@@ -127,16 +127,16 @@ class ParallelAttention(nn.Module):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         qkv_bias = bias if qkv_bias is None else qkv_bias
         inner = n_head * self.head_dim
-        kw = dict(process_group=self.process_group, init_method=init_method, device=device, dtype=dtype)
+        kw = dict(process_group=sublayer_group(self.process_group), init_method=init_method, device=device, dtype=dtype)
         self.q_proj = ColumnParallelLinear(hidden, inner, bias=qkv_bias, **kw)
         self.k_proj = KVLinear(hidden, n_kv_head, self.head_dim, bias=qkv_bias, **kw)
         self.v_proj = KVLinear(hidden, n_kv_head, self.head_dim, bias=qkv_bias, **kw)
         self.o_proj = RowParallelLinear(inner, hidden, bias=bias, sequence_parallel=sequence_parallel,
-                                        process_group=self.process_group, init_method=out_init_method,
+                                        process_group=sublayer_group(self.process_group), init_method=out_init_method,
                                         device=device, dtype=dtype)
         self.q_norm = self.k_norm = None
         if qk_norm:
-            norm_kw = dict(eps=norm_eps, process_group=self.process_group, device=device, dtype=dtype)
+            norm_kw = dict(eps=norm_eps, process_group=sublayer_group(self.process_group), device=device, dtype=dtype)
             self.q_norm, self.k_norm = HeadNorm(self.head_dim, **norm_kw), HeadNorm(self.head_dim, **norm_kw)
         self.rotary = None
         if position == "rotary":

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..parallel import comm
 from ..parallel.random import RNGTracker
-from ..parallel.state import group_rank, group_size, resolve_tp_group
+from ..parallel.state import group_rank, group_size, resolve_tp_group, sublayer_group
 from . import weight_casts
 from .attention import ParallelAttention
 from .linear import InitMethod
@@ -64,8 +64,8 @@ class ParallelTransformerBlock(nn.Module):
         self.rng_tracker = rng_tracker or RNGTracker(tp_rank=group_rank(self.process_group))
         ffn_hidden = ffn_hidden or 4 * hidden
         norm_kw = dict(kind=norm, eps=norm_eps, bias=bias and norm == "layernorm", sequence_parallel=sequence_parallel,
-                       process_group=self.process_group, autocast_output=True, device=device, dtype=dtype)
-        layer_kw = dict(bias=bias, sequence_parallel=sequence_parallel, process_group=self.process_group,
+                       process_group=sublayer_group(self.process_group), autocast_output=True, device=device, dtype=dtype)
+        layer_kw = dict(bias=bias, sequence_parallel=sequence_parallel, process_group=sublayer_group(self.process_group),
                         init_method=init_method, out_init_method=out_init_method, device=device, dtype=dtype)
         self.attn_norm = ParallelNorm(hidden, **norm_kw)
         self.attn = ParallelAttention(hidden, n_head, n_kv_head, position=position, rope_theta=rope_theta,

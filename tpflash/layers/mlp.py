@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from .. import kernels
-from ..parallel.state import group_size, resolve_tp_group
+from ..parallel.state import group_size, resolve_tp_group, sublayer_group
 from ..kernels.fused_dense import fused_dense_gelu_dense
 from ..kernels.reference import ACTIVATION_FUNCTIONS
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears
@@ -48,11 +48,11 @@ class ParallelMLP(nn.Module):
         if ffn_hidden % tp:
             raise ValueError(f"ffn_hidden={ffn_hidden} is not divisible by tp={tp}")
         self.mlp, self.sequence_parallel = mlp, sequence_parallel
-        kw = dict(process_group=self.process_group, init_method=init_method, device=device, dtype=dtype)
+        kw = dict(process_group=sublayer_group(self.process_group), init_method=init_method, device=device, dtype=dtype)
         self.up_proj = ColumnParallelLinear(hidden, ffn_hidden, bias=bias, **kw)
         self.gate_proj = ColumnParallelLinear(hidden, ffn_hidden, bias=bias, **kw) if mlp == "swiglu" else None
         self.down_proj = RowParallelLinear(ffn_hidden, hidden, bias=bias, sequence_parallel=sequence_parallel,
-                                           process_group=self.process_group, init_method=out_init_method,
+                                           process_group=sublayer_group(self.process_group), init_method=out_init_method,
                                            device=device, dtype=dtype)
 
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:

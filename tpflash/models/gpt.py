@@ -19,7 +19,7 @@ from ..layers.linear import column_parallel_linears
 from ..parallel import comm
 from ..parallel.random import RNGTracker
 from ..parallel.sharding import iter_sharded
-from ..parallel.state import NO_GROUP, get_default_state, group_rank, group_size, resolve_tp_group
+from ..parallel.state import NO_GROUP, get_default_state, group_rank, group_size, resolve_tp_group, sublayer_group
 from .config import GPTConfig
 from .generate import generate
 from .packing import packing_kwargs
@@ -48,6 +48,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.process_group = resolve_tp_group(process_group)
+        layer_group = sublayer_group(self.process_group)
         tp, rank = group_size(self.process_group), group_rank(self.process_group)
         config.check_tp(tp)  # before anything could communicate
         self.sequence_parallel = config.sequence_parallel
@@ -56,7 +57,7 @@ class GPT(nn.Module):
         self.rng_tracker = RNGTracker(config.seed, tp_rank=rank, dp_rank=dp_rank)
         init, out_init = _normal(config.init_std), _normal(config.init_std / math.sqrt(2 * config.n_layer))
         kw = dict(device=device, dtype=dtype)
-        self.tok_embeddings = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=self.process_group,
+        self.tok_embeddings = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=layer_group,
                                                      sequence_parallel=self.sequence_parallel, init_method=init, **kw)
         self.pos_embeddings = None
         if config.position == "learned":
@@ -66,7 +67,7 @@ class GPT(nn.Module):
             ParallelTransformerBlock(config.n_embd, config.n_head, config.kv_heads, config.ffn_dim, mlp=config.mlp,
                                      norm=config.norm, position=config.position, bias=config.bias,
                                      norm_eps=config.norm_eps, rope_theta=config.rope_theta, dropout=config.dropout,
-                                     sequence_parallel=self.sequence_parallel, process_group=self.process_group,
+                                     sequence_parallel=self.sequence_parallel, process_group=layer_group,
                                      checkpoint=config.checkpoint_mode, rng_tracker=self.rng_tracker,
                                      init_method=init, out_init_method=out_init, head_dim=config.head_size,
                                      qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
@@ -74,11 +75,11 @@ class GPT(nn.Module):
             for _ in range(config.n_layer))
         self.final_norm = ParallelNorm(config.n_embd, config.norm, config.norm_eps,
                                        bias=config.bias and config.norm == "layernorm",
-                                       sequence_parallel=self.sequence_parallel, process_group=self.process_group,
+                                       sequence_parallel=self.sequence_parallel, process_group=layer_group,
                                        autocast_output=True, **kw)
         self.lm_head = None
         if not config.tie_embeddings:  # same layout as the embedding table: rows = vocab, sharded
-            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=self.process_group,
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=layer_group,
                                                   init_method=init, **kw)
         self._graphed_blocks = None  # capture_cuda_graphs()
 

@@ -189,6 +189,12 @@ def resolve_tp_group(process_group) -> Optional[dist.ProcessGroup]:
     return state.tp_group if state is not None else None
 
 
+def sublayer_group(group: Optional[dist.ProcessGroup]):
+    """What a layer passes to the layers it builds for its resolved group: NO_GROUP for none, so that
+    a tp=1 layer built under a default tp state does not get tp-sharded sublayers."""
+    return NO_GROUP if group is None else group
+
+
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
     """Ranks in `group` (1 for None). Asked on every layer call, so the group's own C++ method
     rather than dist.get_world_size's Python lookup."""
