@@ -1,8 +1,10 @@
 """tpflash: tensor-parallel transformer training over fused Triton kernels.
 
-`pip install -e .` next to an existing torch (torch is not pulled in here when one is
-importable, so a CPU or CUDA build chosen by the user stays). The optional CUDA extension in
-csrc/ is built only when CUDA and nvcc are present and TPFLASH_BUILD_CUDA is not 0.
+`pip install .` next to an existing torch (install the CPU or CUDA build you want first: pip
+keeps it, since any torch>=2.4 satisfies the requirement). Triton is not a requirement: CUDA
+builds of torch bring it, and on CPU the kernels' plain-PyTorch references run; the [test] extra
+adds it for the tests, which run the kernels in Triton's CPU interpreter. The optional CUDA
+extension in csrc/ is built only when CUDA and nvcc are present and TPFLASH_BUILD_CUDA is not 0.
 """
 import os
 import sys
@@ -42,11 +44,12 @@ setup(
     version="0.1.0",
     description="Tensor-parallel, sequence-parallel and FSDP training of transformers over fused Triton kernels",
     packages=find_packages(include=["tpflash", "tpflash.*"]),
+    package_data={"tpflash.configs": ["*.yaml"]},  # the trainer's configs, found by name (--config demo)
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "einops", "numpy", "pyyaml"],
+    install_requires=["torch>=2.4", "numpy", "pyyaml"],
     extras_require={
         "test": ["pytest>=7", "triton>=3.0", "transformers", "safetensors"],
-        "hf": ["transformers", "safetensors"],
+        "hf": ["transformers", "safetensors"],  # from_pretrained / save_pretrained / export-hf
         "logging": ["tensorboard", "tqdm", "rich"],
     },
     entry_points={"console_scripts": ["tpflash-train=tpflash.train.cli:main"]},

@@ -14,7 +14,7 @@ export CUDA_VISIBLE_DEVICES=""
 RUN="${TPFLASH_DEMO_DIR:-runs/demo}"
 rm -rf "$RUN"              # the demo starts fresh (a real run would resume from $RUN/ckpt)
 start=$(date +%s)
-common=(--config configs/demo.yaml --checkpoint.dir="$RUN/ckpt" --log.dir="$RUN")
+common=(--config demo --checkpoint.dir="$RUN/ckpt" --log.dir="$RUN")
 
 echo "== 1/2: tp=2 over 2 CPU ranks: steps 1-300, checkpoints every 100 steps =="
 python -m torch.distributed.run --standalone --nproc_per_node=2 -m tpflash.train "${common[@]}" \

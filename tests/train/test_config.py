@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tpflash.train.build import plan_batches
-from tpflash.train.config import TrainConfig, TrainSection, check_values, load_yaml, parse_args
+from tpflash.train.config import TrainConfig, TrainSection, check_values, load_yaml, parse_args, resolve_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,15 +73,32 @@ def test_batch_plan_derives_accumulation_and_rejects_mismatch():
         plan_batches(TrainSection(batch_size=16, micro_batch_size=2, grad_accum=3), dp=2)
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "tpflash", "configs", "*.yaml"))),
                          ids=lambda p: os.path.basename(p))
 def test_shipped_configs_load(path):
     assert isinstance(load_yaml(path), TrainConfig)
 
 
+def test_config_names_resolve_to_the_packaged_files_and_paths_still_work(tmp_path):
+    assert resolve_config("demo") == os.path.join(ROOT, "tpflash", "configs", "demo.yaml")
+    assert resolve_config("demo.yaml") == resolve_config("demo")
+    assert parse_args(["--config", "demo"]).model["n_layer"] == 4
+    path = tmp_path / "mine.yaml"
+    path.write_text("tp: 3\n")
+    assert parse_args(["--config", str(path)]).tp == 3
+
+
+def test_an_unknown_config_name_lists_the_packaged_ones():
+    with pytest.raises(ValueError, match=r"--config 'nope': no such file, and not a packaged config "
+                                         r"\(packaged: demo, .*llama-style\)"):
+        parse_args(["--config", "nope"])
+    with pytest.raises(ValueError, match="no such file"):
+        parse_args(["--config", "missing/demo.yaml"])
+
+
 def test_cli_prints_the_resolved_config_and_rejects_bad_keys(capsys):
     from tpflash.train.cli import main
-    assert main(["--config", os.path.join(ROOT, "configs", "demo.yaml"), "--tp=1", "--print-config"]) == 0
+    assert main(["--config", "demo", "--tp=1", "--print-config"]) == 0
     assert "tp: 1\n" in capsys.readouterr().out
     assert main(["--lrr=1"]) == 2
     assert "unknown config key 'lrr'" in capsys.readouterr().err

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
+
+from .. import configs as packaged_configs
+
 
 def _model_keys() -> tuple:
     """"preset", "init_from" and GPTConfig's fields (a fixed list when tpflash.models cannot be imported)."""
@@ -297,8 +301,23 @@ def load_yaml(path: str, cfg: Optional[TrainConfig] = None) -> TrainConfig:
         raise ValueError(f"{path}: {e}") from None
 
 
+def resolve_config(value: str) -> str:
+    """The YAML file that `--config VALUE` names: an existing file, else a packaged config's name.
+
+    "demo" (or "demo.yaml") is tpflash/configs/demo.yaml, wherever the command runs; a path to a
+    file that exists always wins. Anything else is a ValueError listing the packaged names.
+    """
+    if os.path.isfile(value):
+        return value
+    packaged = packaged_configs.find(value)
+    if packaged is not None:
+        return str(packaged)
+    raise ValueError(f"--config {value!r}: no such file, and not a packaged config "
+                     f"(packaged: {', '.join(packaged_configs.names())})")
+
+
 def parse_args(argv: Sequence[str]) -> TrainConfig:
-    """`[--config FILE] [--key=value | --key value ...]`: the file first, then overrides in order."""
+    """`[--config FILE|NAME] [--key=value | --key value ...]`: the file first, then overrides in order."""
     pairs, config_path, i = [], None, 0
     while i < len(argv):
         arg = argv[i]
@@ -315,7 +334,7 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
         else:
             pairs.append((key, value))
         i += 1
-    cfg = load_yaml(config_path) if config_path else TrainConfig()
+    cfg = load_yaml(resolve_config(config_path)) if config_path else TrainConfig()
     for key, value in pairs:
         set_value(cfg, key, value)
     return cfg
