@@ -50,7 +50,7 @@ setup(
     extras_require={
         "test": ["pytest>=7", "triton>=3.0", "transformers", "safetensors"],
         "hf": ["transformers", "safetensors"],  # from_pretrained / save_pretrained / export-hf
-        "logging": ["tensorboard", "tqdm", "rich"],
+        "logging": ["tensorboard", "tqdm"],
     },
     entry_points={"console_scripts": ["tpflash-train=tpflash.train.cli:main"]},
     ext_modules=ext_modules,
