@@ -1,68 +1,74 @@
-"""Which overlap runs where: the switch, its environment variables and the backend choice (one process)."""
+"""When the overlapped path runs: the switch, its environment variables and the decision a CUDA graph
+capture makes once (one process)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tpflash.layers import RowParallelLinear
-from tpflash.layers.linear import _pipelined
-from tpflash.parallel import overlap, pieces_overlap
+from tpflash.layers.linear import _overlapped, _pipelined
+from tpflash.parallel import overlap, peer_collectives
 
 
-def test_switch_is_off_by_default(monkeypatch):
-    monkeypatch.delenv("TPFLASH_OVERLAP", raising=False)
+@pytest.fixture
+def settings(monkeypatch):
+    """overlap's settings as if TPFLASH_OVERLAP had been unset at import."""
+    monkeypatch.setattr(overlap, "_settings", [None])
+    return overlap._settings
+
+
+def test_switch_is_off_by_default(settings):
     assert not overlap.overlap_enabled()
-    assert not _pipelined(RowParallelLinear(16, 24, sequence_parallel=True))  # tp=1 never pipelines
+    assert not _pipelined(RowParallelLinear(16, 24, sequence_parallel=True))  # tp=1 never overlaps
 
 
-def test_pieces_divide_the_local_sequence(monkeypatch):
-    monkeypatch.delenv("TPFLASH_OVERLAP_PIECES", raising=False)
-    assert [pieces_overlap.num_pieces(n) for n in (1, 2, 3, 6, 8, 1024)] == [1, 2, 3, 3, 4, 4]
-    assert pieces_overlap.num_pieces(8, 2) == 2
-    monkeypatch.setenv("TPFLASH_OVERLAP_PIECES", "8")
-    assert pieces_overlap.num_pieces(1024) == 8
-
-
-def test_switch_follows_context_then_environment(monkeypatch):
-    monkeypatch.setenv("TPFLASH_OVERLAP", "0")
-    assert not overlap.overlap_enabled()
-    with overlap.overlap_comm(True):
-        assert overlap.overlap_enabled() and overlap.resolve_overlap(None)
-        assert not overlap.resolve_overlap(False)
-    monkeypatch.setenv("TPFLASH_OVERLAP", "1")
-    assert overlap.overlap_enabled()
-    with overlap.overlap_comm(False):
-        assert not overlap.overlap_enabled()
-
-
-@pytest.mark.parametrize("env,capturing,reach,expected", [
-    ({}, False, True, False),                                   # eager work: serial collectives
-    ({}, True, True, True),                                     # captured, copy engines reach: overlapped
-    ({}, True, False, False),                                   # captured, GPUs that cannot map each other
-    ({"TPFLASH_OVERLAP": "0"}, True, True, False),              # asked off
-    ({"TPFLASH_COMM_BACKEND": "nccl"}, True, True, False),      # NCCL asked for
-    ({"TPFLASH_OVERLAP_BACKEND": "pieces"}, True, True, False),  # only the copy-engine variant is a default
-    ({"TPFLASH_OVERLAP": "1"}, False, False, True),             # asked on: everywhere
-])
-def test_default_overlap_is_the_copy_engines_inside_graph_capture(monkeypatch, env, capturing, reach, expected):
-    from tpflash.parallel import peer_collectives
-    for key in ("TPFLASH_OVERLAP", "TPFLASH_COMM_BACKEND", "TPFLASH_OVERLAP_BACKEND"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(peer_collectives, "reachable", lambda x, group: reach)
-    monkeypatch.setattr(peer_collectives, "capturing_for_graphs", lambda: capturing)
-    assert overlap.resolve_overlap(None, torch.ones(2), object()) is expected
-    assert overlap.resolve_overlap(False, torch.ones(2), object()) is False, "a layer's own flag wins"
-
-
-def test_auto_overlap_backend_is_copy_engine_where_the_copy_engines_reach(monkeypatch):
-    from tpflash.parallel import peer_collectives
+@pytest.mark.parametrize("value,expected", [("1", True), ("on", True), ("0", False), ("off", False), ("", None)])
+def test_the_environment_sets_the_default(monkeypatch, value, expected):
+    monkeypatch.setenv("TPFLASH_OVERLAP", value)
     monkeypatch.delenv("TPFLASH_OVERLAP_BACKEND", raising=False)
-    monkeypatch.delenv("TPFLASH_COMM_BACKEND", raising=False)
-    for reach, expected in ((True, "copy_engine"), (False, "pieces")):
-        monkeypatch.setattr(peer_collectives, "reachable", lambda x, group: reach)
-        assert overlap.overlap_backend(torch.ones(2), object()) == expected
-    assert overlap.overlap_backend() == "auto"
+    assert overlap._env_setting() is expected
+
+
+def test_the_context_wins_over_the_environment_and_the_layer_flag_over_both(settings):
+    settings[0] = False  # TPFLASH_OVERLAP=0
+    group = type("Group", (), {"size": lambda self: 2})()
+    assert not _overlapped(True, 0, group, None)
+    with overlap.overlap_comm(True):
+        assert overlap.overlap_enabled() and _overlapped(True, 0, group, None)
+        assert not _overlapped(True, 0, group, False), "a layer's own flag wins"
+        assert not _overlapped(False, 0, group, True), "nothing to overlap without sequence parallelism"
+        assert not _overlapped(True, 1, group, True), "only sequence-first activations"
+        with overlap.overlap_comm(False):
+            assert not overlap.overlap_enabled()
+    assert not overlap.overlap_enabled()
+
+
+@pytest.mark.parametrize("setting,comm_backend,reach,expected", [
+    (None, "auto", True, True),      # captured, the copy engines reach the group: overlapped
+    (None, "auto", False, False),    # GPUs that cannot map each other's memory: serial
+    (None, "nccl", True, False),     # NCCL asked for: serial
+    (False, "auto", True, False),    # asked off
+    (True, "auto", False, True),     # asked on: overlapped (over the group's collectives)
+])
+def test_a_capture_decides_once_from_the_setting_then_the_copy_engines(monkeypatch, settings, setting,
+                                                                       comm_backend, reach, expected):
+    settings[0] = setting
+    monkeypatch.setenv("TPFLASH_COMM_BACKEND", comm_backend)
+    asked = []
+    monkeypatch.setattr(peer_collectives, "reachable", lambda x, group: asked.append(1) or reach)
+    group = type("Group", (), {"size": lambda self: 2})()
+    assert not overlap.overlap_enabled() or setting
+    with overlap.for_graph_capture(torch.ones(2), group) as decision:
+        assert decision is expected and overlap.overlap_enabled() is expected
+        assert peer_collectives.capturing_for_graphs()
+        for _ in range(3):
+            _overlapped(True, 0, group, None)
+    assert len(asked) <= 1, "the copy engines' reach was asked more than once per capture"
+    assert overlap.overlap_enabled() is bool(setting) and not peer_collectives.capturing_for_graphs()
+
+
+def test_no_default_overlap_at_tp1(settings):
+    group = type("Group", (), {"size": lambda self: 1})()
+    assert overlap.capture_decision(torch.ones(2), group) is False
 
 
 def test_tp1_is_plain_linear():
@@ -71,7 +77,11 @@ def test_tp1_is_plain_linear():
     assert torch.equal(overlap.linear_reduce_scatter(x, w), F.linear(x, w))
 
 
-def test_unknown_overlap_backend_raises(monkeypatch):
-    monkeypatch.setenv("TPFLASH_OVERLAP_BACKEND", "ring")
-    with pytest.raises(ValueError, match="TPFLASH_OVERLAP_BACKEND='ring' must be one of"):
-        overlap.overlap_backend()
+@pytest.mark.parametrize("backend", ["pieces", "symm_mem", "ring"])
+def test_an_overlap_backend_other_than_the_copy_engines_raises(monkeypatch, backend):
+    monkeypatch.setenv("TPFLASH_OVERLAP_BACKEND", backend)
+    with pytest.raises(ValueError, match=f"TPFLASH_OVERLAP_BACKEND='{backend}' is not supported: .* copy engines only"):
+        overlap._env_setting()
+    for accepted in ("copy_engine", "auto"):
+        monkeypatch.setenv("TPFLASH_OVERLAP_BACKEND", accepted)
+        overlap._env_setting()

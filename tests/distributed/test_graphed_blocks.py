@@ -56,11 +56,10 @@ def _environment(**settings):
                 os.environ[key] = value
 
 
-def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, overlap_backend="pieces",
-               comm_backend="auto"):
+def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, comm_backend="auto"):
     """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager (both with
-    the collectives pipelined when `overlap_on`, by `overlap_backend`; serial ones by `comm_backend`;
-    overlap_on=None: the library's default setting)."""
+    the collectives overlapping the GEMMs when `overlap_on`; serial ones by `comm_backend`;
+    overlap_on=None: the library's default, decided at capture)."""
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel), device)
     calls = []  # all-gathers through the copy engines (tpflash.parallel.peer_collectives)
@@ -74,17 +73,20 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
     peer_collectives.PeerAllGather = Counted
     try:
         setting = contextlib.nullcontext() if overlap_on is None else overlap.overlap_comm(overlap_on)
-        with _environment(TPFLASH_OVERLAP_BACKEND=overlap_backend, TPFLASH_COMM_BACKEND=comm_backend), setting:
+        with _environment(TPFLASH_COMM_BACKEND=comm_backend), setting:
             _train(graphed, eager, device, steps, micro_batches)
     finally:
         peer_collectives.PeerAllGather = real
-    through_peers = comm_backend != "nccl" and (overlap_on is False or overlap_backend in ("auto", "copy_engine"))
-    if device.type == "cuda" and tp > 1 and sequence_parallel and through_peers:
-        # the default sends captured collectives through the copy engines on GPUs with peer access (test
-        # machines); the copy_engine overlap backend sends its transfers there in any case
+    if device.type == "cuda" and tp > 1 and sequence_parallel and comm_backend != "nccl":
+        # captured collectives, serial or overlapped, go through the copy engines on GPUs with peer
+        # access (test machines)
         assert calls, f"TPFLASH_COMM_BACKEND={comm_backend}: the captured all-gathers did not use the copy engines"
+        if overlap_on is None:
+            assert graphed._graphed_blocks.overlapped, "the default capture did not overlap on GPUs with peer access"
     if comm_backend == "nccl":
         assert not calls, "TPFLASH_COMM_BACKEND=nccl used the copy engines"
+    if overlap_on is not None and tp > 1:
+        assert graphed._graphed_blocks.overlapped is overlap_on, "the capture did not keep the setting"
 
 
 def _train(graphed, eager, device, steps, micro_batches):
@@ -178,11 +180,6 @@ def test_graphed_gpt_with_overlap_trains_like_the_eager_gpt(ranks):
 
 
 @pytest.mark.cpu_ranks
-def test_graphed_gpt_with_copy_engine_overlap_trains_like_the_eager_gpt(ranks):
-    ranks(2).run(train_body, 2, True, 2, 2, True, "copy_engine")
-
-
-@pytest.mark.cpu_ranks
 def test_graphed_gpt_runs_other_shapes_and_no_grad_eagerly(ranks):
     ranks(2).run(fallback_body, 2)
 
@@ -240,14 +237,10 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("overlap_on,backend,comm_backend",
-                         [(False, "pieces", "auto"), (False, "pieces", "nccl"), (False, "pieces", "copy_engine"),
-                          (True, "pieces", "auto"), (True, "symm_mem", "auto"), (True, "copy_engine", "auto"),
-                          (None, "auto", "auto")],
-                         ids=["serial-default", "serial-nccl", "serial-copy_engine", "overlap-pieces",
-                              "overlap-symm_mem", "overlap-copy_engine", "defaults"])
-def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on, backend,
-                                                              comm_backend):
+@pytest.mark.parametrize("overlap_on,comm_backend",
+                         [(False, "auto"), (False, "nccl"), (False, "copy_engine"), (True, "auto"), (None, "auto")],
+                         ids=["serial-default", "serial-nccl", "serial-copy_engine", "overlap", "defaults"])
+def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_parallel, overlap_on, comm_backend):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    ranks(2).run(train_body, 2, sequence_parallel, 3, 2, overlap_on, backend, comm_backend)
+    ranks(2).run(train_body, 2, sequence_parallel, 3, 2, overlap_on, comm_backend)

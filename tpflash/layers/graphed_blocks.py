@@ -14,13 +14,13 @@ What a replay assumes, checked where it can be:
   backward of the first raises instead of computing wrong gradients;
 - parameters stay where they were (in-place optimizer updates are fine; re-materialising them,
   e.g. FSDP, is not), no dropout (its random stream would not advance), no activation
-  checkpointing; overlap, if on at capture, is replayed as captured whatever the setting at
-  replay (every backend; the warm-up passes size the symmetric-memory workspaces so that capture
-  allocates nothing). Unless overlap is set (TPFLASH_OVERLAP, `overlap_comm`), the capture
-  overlaps the tp collectives with the GEMMs through the copy engines ("copy_engine" backend)
-  where the GPUs can map each other's memory (measured faster than serial collectives there),
-  else captures serial NCCL collectives; serial collectives asked for go through the copy engines
-  where they can (TPFLASH_COMM_BACKEND's default, "auto"), else through NCCL;
+  checkpointing; whether the tp collectives overlap the GEMMs is decided once, at capture
+  (tpflash.parallel.overlap.for_graph_capture), and replayed as captured: the setting if one is
+  set (TPFLASH_OVERLAP, `overlap_comm`), else overlapped through the copy engines where the GPUs
+  map each other's memory (measured faster than serial collectives there: docs/overlap.md) and
+  serial NCCL collectives elsewhere; serial collectives go through the copy engines where they
+  can (TPFLASH_COMM_BACKEND's default, "auto"), else through NCCL. The warm-up passes size the
+  symmetric-memory workspaces so that capture allocates nothing;
 - the stack's outputs and gradients live in the graphs' memory: a tensor kept from one replay is
   overwritten by the next. Parameter gradients are the exception made safe: a `.grad` still
   holding graph memory when a forward replays (gradient accumulation) is copied out first, once
@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from ..parallel import comm, peer_collectives
+from ..parallel import comm, overlap, peer_collectives
 from . import weight_casts
 
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
@@ -110,7 +110,8 @@ class GraphedBlocks:
     capture runs under the caller's autocast (its dtype, never its cache) and grad mode must be on.
     Calling returns (out, residual) of the last block, differentiable in x and in every block
     parameter, like the eager loop. The blocks' collectives use their own process groups; every
-    rank of those groups must capture together.
+    rank of those groups must capture together. `overlapped`: whether the capture overlapped the
+    tp collectives with the GEMMs (tpflash.parallel.overlap.capture_decision).
     """
 
     def __init__(self, blocks: Sequence[nn.Module], sample_x: torch.Tensor):
@@ -130,7 +131,9 @@ class GraphedBlocks:
         self.input_grads: Tuple[Optional[torch.Tensor], ...] = ()
         self.forward_generation = 0  # bumped by every forward replay; a backward must match it
         self.backward_generation = 0
-        with peer_collectives.for_graph_capture():  # the default comm backend's choice for captured work
+        group = getattr(self.blocks[0], "process_group", None)
+        with overlap.for_graph_capture(sample_x, group) as overlapped:  # the path, decided once for the capture
+            self.overlapped = overlapped
             self._capture(device)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -15,11 +15,11 @@ column -> any activation -> row computes exactly what the unpadded layers comput
 Sequence-parallel activations are sequence-first, [seq/tp, batch, hidden]: gathering dim 0
 is one contiguous collective with no copy (the layers take `seq_dim` for other layouts).
 
-Under sequence parallelism (seq_dim 0, tp > 1) the all-gather / reduce-scatter can be pipelined
-with the GEMM (tpflash.parallel.overlap): with `overlap=True`, or with `overlap=None` (default)
-inside `overlap_comm(True)` or under TPFLASH_OVERLAP=1; with neither set, for the work CUDA graphs
-capture where the GPUs map each other's memory (copy-engine transfers), and nowhere else. Results
-agree either way.
+Under sequence parallelism (seq_dim 0, tp > 1) the all-gather / reduce-scatter can overlap the
+GEMMs, the other ranks' rows moved by the copy engines while this rank's are multiplied
+(tpflash.parallel.overlap): with `overlap=True`, or with `overlap=None` (default) where overlap is
+on (TPFLASH_OVERLAP=1, `overlap_comm(True)`, or by default in a CUDA graph capture whose GPUs map
+each other's memory: decided once per capture). Results agree either way.
 """
 from __future__ import annotations
 
@@ -69,17 +69,17 @@ def _local_real_and_padding(spec: ShardSpec, rank: int, tp: int) -> tuple:
     return end - start, spec.chunk(tp) - (end - start)
 
 
-def _overlap_applies(sequence_parallel: bool, seq_dim: int, group, overlap: Optional[bool],
-                     x: Optional[torch.Tensor] = None) -> bool:
-    """Whether the overlapped path is taken for input x: SP on dim 0 over tp > 1 with overlap on
-    (the flag, the global setting, or the default for x: tpflash.parallel.overlap.resolve_overlap)."""
-    return (sequence_parallel and seq_dim == 0 and group_size(group) > 1
-            and _overlap.resolve_overlap(overlap, x, group))
+def _overlapped(sequence_parallel: bool, seq_dim: int, group, overlap: Optional[bool]) -> bool:
+    """Whether the overlapped path runs: SP along dim 0 over tp > 1, and overlap on (the layer's own
+    flag, else the setting of this process or capture: tpflash.parallel.overlap.overlap_enabled)."""
+    if not (sequence_parallel and seq_dim == 0 and group_size(group) > 1):
+        return False
+    return _overlap.overlap_enabled() if overlap is None else bool(overlap)
 
 
-def _pipelined(layer: nn.Module, x: Optional[torch.Tensor] = None) -> bool:
-    """Whether a Column/RowParallelLinear takes the overlapped path now (for input x)."""
-    return _overlap_applies(layer.sequence_parallel, layer.seq_dim, layer.process_group, layer.overlap, x)
+def _pipelined(layer: nn.Module) -> bool:
+    """Whether a Column/RowParallelLinear takes the overlapped path now."""
+    return _overlapped(layer.sequence_parallel, layer.seq_dim, layer.process_group, layer.overlap)
 
 
 def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -89,12 +89,12 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     """[F.linear(x_full, W_i, b_i)] for column-parallel weights W_i [out_i/tp, in] sharing one input.
 
     One input collective serves them all (q/k/v, up/gate): under SP x [seq/tp, b, in] is
-    all-gathered along `seq_dim` (pipelined with the GEMMs when overlap is on, see
+    all-gathered along `seq_dim` (overlapped with the GEMMs when overlap is on: `_overlapped`,
     tpflash.parallel.overlap) and its gradient reduce-scattered; otherwise x is replicated and
     its gradient all-reduced. Returns [seq, b, out_i/tp] per weight. Process group: `group`.
     """
-    if _overlap_applies(sequence_parallel, seq_dim, group, overlap, x):
-        return list(_overlap.all_gather_linear(x, weights, biases, group, save_gathered_input))
+    if _overlapped(sequence_parallel, seq_dim, group, overlap):
+        return _overlap.all_gather_linear(x, weights, biases, group, save_gathered_input)
     x = column_parallel_input(x, group, sequence_parallel, seq_dim)  # [seq, *, in]
     return linears(x, weights, biases)  # one GEMM over the stacked weights
 
@@ -119,9 +119,10 @@ class ColumnParallelLinear(nn.Module):
     sharded along `seq_dim` (all-gathered here). Output: [*, ceil(out_features/tp)] on each rank
     (zero padding features at the end of the last rank(s) when tp does not divide out_features), or
     [*, out_features] with gather_output. Process group: `process_group`, else the default
-    state's tp group, else none (tp=1, a plain nn.Linear). save_gathered_input (overlapped SP
-    path only): keep the all-gathered input for the backward (True), gather it again there (False),
-    or let the overlap backend choose (None; tpflash.parallel.overlap.all_gather_linear).
+    state's tp group, else none (tp=1, a plain nn.Linear). overlap: True/False, or None (default)
+    for the process's or capture's setting (module docstring). save_gathered_input (overlapped
+    path only): keep the all-gathered input for the backward (True), or gather it again there
+    (False, None; tpflash.parallel.overlap.all_gather_linear).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
@@ -220,7 +221,7 @@ class RowParallelLinear(nn.Module):
             x = comm.split_along_dim(x, -1, self.process_group)
         elif self.local_padding:
             x = _zero_padding(x, self.local_real)  # e.g. act(0) != 0 from a padded column layer
-        if _pipelined(self, x):  # per-piece GEMMs, each piece reduce-scattered while the next is computed
+        if _pipelined(self):  # each peer's rows computed and sent while the next are computed
             return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp())
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue
             return linear(x, self.weight, self.bias)

@@ -13,7 +13,7 @@ Forward / backward pairs (the duals of each other):
     reduce_scatter_along_seq reduce-scatter  / all-gather       (sequence parallelism)
 
 `*_async` functions are the raw (non-autograd) primitives returning a `PendingCollective`
-handle; the overlap code builds its own autograd functions from them. All-gathers and
+handle. All-gathers and
 reduce-scatters of CUDA tensors may go through peer memory instead (tpflash.parallel.peer_collectives,
 TPFLASH_COMM_BACKEND: by default inside CUDA-graph capture; issued in stream order, so already "done").
 """

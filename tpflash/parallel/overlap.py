@@ -1,24 +1,39 @@
-"""Communication/computation overlap for sequence-parallel GEMMs: the switch, and which backend runs.
+"""Sequence-parallel GEMMs overlapped with copy-engine transfers, and when they run.
 
 Under sequence parallelism a column-parallel GEMM needs the all-gathered input and a row-parallel
-GEMM ends in a reduce-scatter; done naively the GPU waits for each collective. The entry points
-here, `all_gather_linear` and `linear_reduce_scatter`, compute the same as the serial layers with
-the collective pipelined with the GEMMs by one of three backends (TPFLASH_OVERLAP_BACKEND):
+GEMM ends in a reduce-scatter; done one after the other, the GPU waits for each collective.
+`all_gather_linear` and `linear_reduce_scatter` compute what the serial layers compute, one GEMM
+per rank's rows while the GPUs' copy engines move the other ranks' rows
+(tpflash.parallel.peer_collectives). Copy engines leave the SMs to the GEMMs: on 2 H200s a GEMM
+beside a copy-engine transfer of its activation ran 4% slower, beside an SM-kernel copy (what
+NCCL's kernels are) 30% slower (docs/overlap.md). So one piece per rank is enough, and each piece
+is one GEMM over the weights stacked (q/k/v, up/gate) as in tpflash.layers.autocast_linear:
 
-  "copy_engine"  one GEMM per rank's rows beside copy-engine transfers (tpflash.parallel.peer_overlap);
-                 where the GPUs cannot map each other's memory, the same GEMMs over the group's
-                 collectives, not overlapped
-  "pieces"       each rank's shard cut into k pieces, one asynchronous NCCL/gloo collective each
-                 (tpflash.parallel.pieces_overlap; TPFLASH_OVERLAP_PIECES sets k, 4)
-  "symm_mem"     PyTorch's symmetric-memory collective matmuls (tpflash.parallel.symm_overlap;
-                 CUDA only, "pieces" elsewhere)
-  "auto"         (default) copy_engine where the copy engines reach, else pieces
+  column forward   ys = all_gather(x) @ [W_1; ..; W_n]^T   this rank's rows are multiplied while the
+                   copy engines move the others; each peer's rows are multiplied once they are here
+  column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
+                   sent first; the weight-gradient GEMM runs while they travel (by rank, over x
+                   gathered again beside the first GEMM, unless x was kept); this rank's rows
+                   last, their GEMM adding the parts received (two ranks: in its epilogue)
+  row forward      y = reduce_scatter(h @ W^T) + b         the same sends (in two GEMMs per peer, so that
+                   the own rows' GEMM, which adds the bias, covers the last transfer)
+  row backward     grad_h = all_gather(grad_y) @ W,         as the column forward, the weight gradient
+                   grad_W = sum_r piece_r^T h_r              summed piece by piece beside it
 
-The switch: TPFLASH_OVERLAP=1/0, or `overlap_comm(True/False)` inside a `with` block; layers built
-with `overlap=None` ask at every forward (`resolve_overlap`). Unset, overlap is on only for the work
-CUDA graphs capture over GPUs that map each other's memory, with the "copy_engine" backend, the one
-variant measured faster than serial collectives (docs/overlap.md). Results are the same either way
-up to the order of floating-point sums. The dtype helpers below are shared by the backends.
+Activations are sequence-first ([s/tp, b, feat] per rank), so "rank r's rows" are one contiguous
+block of [s*b, feat] and every piece is a plain GEMM into a slice of the output. Where the GPUs
+cannot map each other's memory (CPU, gloo, GPUs of several hosts, TPFLASH_COMM_BACKEND=nccl) the
+same Functions run over the group's own collectives with nothing overlapped: that is what the CPU
+tests run; the copy engines are tested on 2 GPUs.
+
+When the overlapped path runs (tpflash.layers.linear asks `overlap_enabled()` for layers built
+with overlap=None; a layer's own overlap=True/False wins):
+  * TPFLASH_OVERLAP=1 / 0, read once at import, or `with overlap_comm(True / False):`;
+  * with neither, the default: on for the work a CUDA graph captures (GraphedBlocks decides once
+    per capture, `for_graph_capture`) where the copy engines reach the tp group, the setup where
+    it was measured faster than serial collectives; off everywhere else.
+Results are the same either way up to the order of floating-point sums. Process group: the tp
+group passed in.
 """
 from __future__ import annotations
 
@@ -27,85 +42,81 @@ import os
 from typing import List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
+from ..kernels import column_sum, concat_with_column_sum
+from ..kernels.column_sum import concat_rows
+from ..kernels.weight_grad import weight_grad_fp32
 from ..layers.weight_casts import stacked_cast
-from . import peer_collectives
+from . import comm, peer_collectives
 from .state import group_size
 
 _ENV = "TPFLASH_OVERLAP"
-_forced: List[bool] = []  # stack of `overlap_comm` settings; the innermost wins
+_BACKEND_ENV = "TPFLASH_OVERLAP_BACKEND"  # only "copy_engine" (or "auto") is accepted: one design
 
 
-def _explicit_setting() -> Optional[bool]:
-    """The innermost `overlap_comm` setting, else TPFLASH_OVERLAP ("1"/"true"/"on"/"yes" on, anything
-    else off), else None (unset)."""
-    if _forced:
-        return _forced[-1]
+def _env_setting() -> Optional[bool]:
+    """TPFLASH_OVERLAP: "1"/"true"/"on"/"yes" on, any other value off, unset None. Raises ValueError
+    for a TPFLASH_OVERLAP_BACKEND other than the copy engines."""
+    backend = os.environ.get(_BACKEND_ENV, "").strip().lower()
+    if backend not in ("", "auto", "copy_engine"):
+        raise ValueError(f"{_BACKEND_ENV}={backend!r} is not supported: tpflash overlaps communication through "
+                         f"the copy engines only (docs/overlap.md, \"Designs not kept\"). Unset {_BACKEND_ENV}; "
+                         f"{_ENV}=1 or 0 turns overlap on or off")
     env = os.environ.get(_ENV, "").strip().lower()
     return (env in ("1", "true", "on", "yes")) if env else None
 
 
+# The overlap setting, innermost last: the environment's at the bottom (None: unset), then those of
+# open `overlap_comm` and `for_graph_capture` blocks.
+_settings: List[Optional[bool]] = [_env_setting()]
+
+
 def overlap_enabled() -> bool:
-    """Whether overlap was asked for everywhere: the innermost `overlap_comm` setting, else
-    TPFLASH_OVERLAP, else False. (Unasked, `resolve_overlap` still overlaps the work CUDA graphs
-    capture where the copy engines can carry it: its docstring.)"""
-    return bool(_explicit_setting())
+    """Whether layers built with overlap=None take the overlapped path now (one look-up per call)."""
+    return bool(_settings[-1])
 
 
 @contextlib.contextmanager
 def overlap_comm(enabled: bool = True):
-    """Within the block, layers built with overlap=None use (or, with False, skip) the pipelined path."""
-    _forced.append(bool(enabled))
+    """Within the block, layers built with overlap=None use (or, with False, skip) the overlapped path;
+    a CUDA graph captured inside it keeps this choice."""
+    _settings.append(bool(enabled))
     try:
         yield
     finally:
-        _forced.pop()
+        _settings.pop()
 
 
-_BACKENDS = ("auto", "pieces", "symm_mem", "copy_engine")
-
-
-def overlap_backend(x: Optional[torch.Tensor] = None, group=None) -> str:
-    """How overlapped layers communicate (TPFLASH_OVERLAP_BACKEND): "copy_engine" (one GEMM per rank's
-    rows beside copy-engine transfers, tpflash.parallel.peer_overlap; where the GPUs cannot map each
-    other's memory, the same GEMMs over the group's collectives, not overlapped), "pieces" (NCCL/gloo
-    collectives per piece, tpflash.parallel.pieces_overlap) or "symm_mem" (PyTorch's symmetric-memory collective
-    matmuls, tpflash.parallel.symm_overlap; CUDA only, "pieces" elsewhere). "auto" (the default):
-    "copy_engine" for x over group where its GPUs map each other's memory and TPFLASH_COMM_BACKEND
-    is not "nccl" (the only variant measured faster than serial collectives: docs/overlap.md),
-    else "pieces". With no x, "auto" itself."""
-    backend = os.environ.get("TPFLASH_OVERLAP_BACKEND", "auto").strip().lower()
-    if backend not in _BACKENDS:
-        raise ValueError(f"TPFLASH_OVERLAP_BACKEND={backend!r} must be one of {_BACKENDS}")
-    if backend == "auto" and x is not None:
-        return "copy_engine" if _copy_engines_reach(x, group) else "pieces"
-    return backend
-
-
-def _copy_engines_reach(x: torch.Tensor, group) -> bool:
+def copy_engines_reach(x: torch.Tensor, group) -> bool:
+    """Whether x's collectives over group can go through the copy engines: CUDA, every rank on its own
+    GPU of one host with peer access (peer_collectives.reachable), TPFLASH_COMM_BACKEND not "nccl"."""
     return peer_collectives.comm_backend() != "nccl" and peer_collectives.reachable(x, group)
 
 
-def _use_symm_mem(x: torch.Tensor, group) -> bool:
-    if overlap_backend(x, group) != "symm_mem":
-        return False
-    from . import symm_overlap
-    return symm_overlap.available(x)
-
-
-def resolve_overlap(flag: Optional[bool], x: Optional[torch.Tensor] = None, group=None) -> bool:
-    """Whether a layer pipelines its collectives now: its explicit `overlap` flag, else the global
-    setting (`overlap_comm`, TPFLASH_OVERLAP), else the default: on for the work CUDA graphs capture
-    (GraphedBlocks: `peer_collectives.for_graph_capture`) when the "copy_engine" backend serves x over
-    group with the copy engines; off elsewhere, where no variant measured faster than serial
-    collectives (docs/overlap.md). x/group: the layer's input and tp group (None: no default)."""
-    if flag is not None:
-        return bool(flag)
-    setting = _explicit_setting()
+def capture_decision(x: torch.Tensor, group) -> bool:
+    """Whether work captured for input x over the tp group overlaps: the setting if one is set
+    (overlap_comm, TPFLASH_OVERLAP), else where the copy engines reach the group. Asks the group
+    once (peer_collectives.peer_access): every rank must call it together, outside capture."""
+    setting = _settings[-1]
     if setting is not None:
         return setting
-    return (x is not None and peer_collectives.capturing_for_graphs()
-            and overlap_backend(x, group) == "copy_engine" and _copy_engines_reach(x, group))
+    return group_size(group) > 1 and copy_engines_reach(x, group)
+
+
+@contextlib.contextmanager
+def for_graph_capture(x: torch.Tensor, group):
+    """The warm-up and capture of a CUDA graph for input x over the tp group (GraphedBlocks): overlap
+    decided once for all of it (`capture_decision`), and the serial collectives sent through the
+    copy engines where the default comm backend does so (peer_collectives.for_graph_capture).
+    Yields the decision."""
+    decision = capture_decision(x, group)
+    _settings.append(decision)
+    try:
+        with peer_collectives.for_graph_capture():
+            yield decision
+    finally:
+        _settings.pop()
 
 
 # ---- dtype handling under autocast -----------------------------------------------------------------
@@ -120,10 +131,6 @@ def linear_compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return None if t is None else stacked_cast([t], dtype)
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[*, feat] -> [rows, feat] (a view when t is contiguous)."""
     return t.reshape(-1, t.shape[-1])
@@ -133,46 +140,264 @@ def _no_autocast(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
-# ---- public entry points ---------------------------------------------------------------------------
+# ---- the collectives, by rank ----------------------------------------------------------------------
+
+_side_streams = {}  # device -> the stream the copy engines' transfers are queued on
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+class _GroupAllGather:
+    """PeerAllGather's interface over the group's own all-gather (no overlap)."""
+
+    def __init__(self, x: torch.Tensor, group):
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.x, self.out = x, comm.all_gather(x, 0, group)
+
+    def order(self) -> List[int]:
+        return [(self.rank + step) % self.world for step in range(self.world)]
+
+    def piece(self, r: int) -> torch.Tensor:
+        return self.out.chunk(self.world)[r]
+
+    def finish(self) -> torch.Tensor:
+        return self.out
+
+
+class _GroupReduceScatter:
+    """PeerReduceScatter's interface over the group's own reduce-scatter (no overlap)."""
+
+    def __init__(self, group, shape, dtype: torch.dtype, device: torch.device):
+        self.group, self.rank = group, dist.get_rank(group)
+        self.parts = torch.empty((dist.get_world_size(group),) + tuple(shape), dtype=dtype, device=device)
+
+    def send(self, r: int, part: torch.Tensor, row: int = 0) -> None:
+        self.parts[r][row:row + part.shape[0]].copy_(part)
+
+    def finish(self, own: torch.Tensor) -> torch.Tensor:
+        self.parts[self.rank].copy_(own)
+        return comm.reduce_scatter(self.parts, 0, self.group)[0]
+
+    def finish_matmul(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.finish(a @ w)
+
+
+def _all_gather(x: torch.Tensor, group, keep: bool = True):
+    """The all-gather of x over group, parts usable as they arrive; keep=False: `finish` need not
+    return the gathered tensor (the copy engines then copy nothing out)."""
+    if copy_engines_reach(x, group):
+        return peer_collectives.PeerAllGather(x, group, _side_stream(x.device), keep=keep)
+    return _GroupAllGather(x, group)
+
+
+def _reduce_scatter(group, shape, like: torch.Tensor):
+    if copy_engines_reach(like, group):
+        return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, _side_stream(like.device))
+    return _GroupReduceScatter(group, shape, like.dtype, like.device)
+
+
+def _peers_first(rank: int, world: int) -> List[int]:
+    """Ranks in sending order: the peers after this rank, this rank last (its part is not sent)."""
+    return [(rank + step) % world for step in range(1, world)]
+
+
+def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out[rows of rank r] = gather.piece(r) @ w (+ b), each rank's rows as soon as they are here."""
+    m = out.shape[0] // len(gather.order())
+    for r in gather.order():
+        dst = out[r * m:(r + 1) * m]
+        if b is None:
+            torch.mm(gather.piece(r), w, out=dst)
+        else:
+            torch.addmm(b, gather.piece(r), w, out=dst)
+
+
+def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
+    """A row layer's two backward GEMMs over an all-gathered grad_y, rank by rank: grad_h[rows of r] =
+    piece(r) @ w, and the fp32 weight gradient sum_r piece(r)^T h[rows of r]. Summing the weight
+    gradient piece by piece gives this rank's rows twice the work to hide the first transfer behind."""
+    m = grad_h.shape[0] // len(gather.order())
+    grad_w = None
+    for r in gather.order():
+        rows, g = slice(r * m, (r + 1) * m), gather.piece(r)
+        torch.mm(g, w, out=grad_h[rows])
+        grad_w = weight_grad_fp32(g, h[rows], into=grad_w)
+    return grad_w
+
+
+def _weight_grad_over_gathered(grad_y: torch.Tensor, gather) -> torch.Tensor:
+    """grad_y^T all_gather(x) in fp32, summed rank by rank over the gathered pieces: grad_y [world*m,
+    out], pieces [m, in] -> [out, in]."""
+    m = grad_y.shape[0] // len(gather.order())
+    grad_w = None
+    for r in gather.order():
+        grad_w = weight_grad_fp32(grad_y[r * m:(r + 1) * m], gather.piece(r), into=grad_w)
+    return grad_w
+
+
+def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reduce_scatter(a @ w) + bias: a [world*m, k], w [k, n], bias [n] -> this rank's summed rows [m, n];
+    the rows due to each peer are sent while the next rows are multiplied. The caller's work queued
+    before the sum overlaps the last transfers: see `_send_parts` for the split form."""
+    pending, own = _send_parts(a, w, group, bias)
+    return pending.finish(own)
+
+
+SEND_CHUNKS = 2  # GEMMs per peer's rows: the first transfer starts after half of that GEMM
+
+
+def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None):
+    """(pending reduce-scatter, this rank's own part): every peer's rows of a @ w computed and sent
+    (`_send_peer_parts`), then the own rows' GEMM, which adds the bias (once per token: only the
+    rank that keeps a token's sum adds it)."""
+    pending, own = _send_peer_parts(a, w, group)
+    return pending, own @ w if bias is None else torch.addmm(bias, own, w)
+
+
+def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group):
+    """(pending reduce-scatter of a @ w, this rank's rows of a): every peer's rows multiplied and sent,
+    SEND_CHUNKS GEMMs each. Chunking matters where the GEMM is short next to its transfer (a small
+    inner dimension, e.g. the attention's output projection), where the own GEMM alone would not
+    cover the last peer's transfer."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    m = a.shape[0] // world
+    pending = _reduce_scatter(group, (m, w.shape[1]), a)
+    for r in _peers_first(rank, world):
+        for rows in _chunks(m, SEND_CHUNKS):
+            pending.send(r, a[r * m + rows.start:r * m + rows.stop] @ w, rows.start)
+    return pending, a[rank * m:(rank + 1) * m]
+
+
+def _chunks(m: int, n: int) -> List[slice]:
+    """range(m) in n contiguous slices, as even as whole rows allow (none empty)."""
+    bounds = [m * i // n for i in range(n + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+class _ColumnLinearOverPeers(torch.autograd.Function):
+    """ys_i = all_gather_seq(x_local) @ W_i^T + b_i: x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp].
+    save_gathered: keep the gathered input for the weight gradient, else gather it again there."""
+
+    @staticmethod
+    def forward(ctx, x_local, group, save_gathered, n, *params):
+        weights, biases = params[:n], params[n:]
+        dtype = linear_compute_dtype(x_local)
+        ctx.group, ctx.x_dtype, ctx.local_shape = group, x_local.dtype, x_local.shape
+        ctx.sizes, ctx.save_gathered = [w.shape[0] for w in weights], save_gathered
+        ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+        rows = _rows(x_local.to(dtype))  # [s/tp*b, in]
+        world = dist.get_world_size(group)
+        with _no_autocast(rows):
+            w_c = stacked_cast(weights, dtype)  # [sum out_i/tp, in]
+            b_c = None if biases[0] is None else stacked_cast(biases, dtype)
+            gather = _all_gather(rows, group, keep=save_gathered)
+            out = rows.new_empty((world * rows.shape[0], w_c.shape[0]))  # [s*b, sum out_i/tp]
+            _gather_multiply(gather, w_c.t(), b_c, out)
+            x_full = gather.finish()  # [s*b, in] (None when not kept)
+        ctx.save_for_backward(x_full if save_gathered else rows, w_c)
+        lead = (world * x_local.shape[0],) + tuple(x_local.shape[1:-1])
+        return tuple(out.view(lead + (w_c.shape[0],)).split(ctx.sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grad_ys):
+        x_saved, w_c = ctx.saved_tensors  # x_saved: [s*b, in], or [s/tp*b, in] to gather again
+        n, world = len(ctx.sizes), dist.get_world_size(ctx.group)
+        rows = x_saved.shape[0] * (1 if ctx.save_gathered else world)
+        lead = next((g.shape[:-1] for g in grad_ys if g is not None), (rows,))  # [s, b] (or [s*b])
+        grads = [torch.zeros(lead + (size,), dtype=w_c.dtype, device=w_c.device) if g is None
+                 else g.to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]  # [s, b, out_i] (views)
+        has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[4 + n:])
+        bias_sums = None
+        if n > 1 and has_bias:  # concatenated and their column sums taken in one pass
+            grad_y, bias_sums = concat_with_column_sum(grads)  # [s*b, sum out]
+        else:
+            grad_y = _rows(grads[0]).contiguous() if n == 1 else concat_rows(grads)  # no copy if already one buffer
+        with _no_autocast(x_saved):
+            gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False)  # beside the GEMMs
+            pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
+            if gather is None:  # ... the weight gradient is computed
+                grad_w = weight_grad_fp32(grad_y, x_saved)
+            else:
+                grad_w = _weight_grad_over_gathered(grad_y, gather)
+            grad_w = grad_w.split(ctx.sizes)
+            if has_bias:
+                grad_b = (column_sum(grad_y) if bias_sums is None else bias_sums).split(ctx.sizes)
+            else:
+                grad_b = [None] * n
+            grad_x = pending.finish_matmul(own_rows, w_c)  # [s/tp*b, in]: the parts are here by now
+            if gather is not None:
+                gather.finish()
+        params = [None if g is None else g.to(dt) for g, dt in zip(list(grad_w) + list(grad_b), ctx.param_dtypes)]
+        return (grad_x.view(ctx.local_shape).to(ctx.x_dtype), None, None, None, *params)
+
+
+class _RowLinearOverPeers(torch.autograd.Function):
+    """y_local = reduce_scatter_seq(h @ W^T) + b: h [s, b, in/tp] -> y_local [s/tp, b, out]; the bias's
+    gradient is this rank's tokens' part."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, group):
+        dtype = linear_compute_dtype(h)
+        ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
+        with _no_autocast(h):
+            b_c = None if bias is None else stacked_cast([bias], dtype)
+            y = _multiply_scatter(_rows(h), w.t(), group, b_c)  # [s/tp*b, out]
+        ctx.save_for_backward(h, w)
+        return y.view((h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        h, w = ctx.saved_tensors
+        with _no_autocast(h):
+            grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
+            gather = _all_gather(grad_rows, ctx.group, keep=False)
+            grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
+            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h)  # [out, in/tp]
+            grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
+            gather.finish()
+        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), grad_b, None
+
+
+# ---- entry points ----------------------------------------------------------------------------------
 
 def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
                       biases: Optional[Sequence[Optional[torch.Tensor]]] = None, group=None,
                       save_gathered_input: Optional[bool] = None) -> List[torch.Tensor]:
-    """[F.linear(all_gather_along_seq(x_local), W_i, b_i) for each i], the gather pipelined with the GEMMs.
+    """[F.linear(all_gather_along_seq(x_local), W_i, b_i) for each i], the gather overlapped with the GEMMs.
 
     x_local: [s/tp, b, in] (sequence-first, this rank's tokens); W_i: [out_i/tp, in]; returns
     [s, b, out_i/tp] per weight. Several weights share one gathered input (q/k/v, up/gate).
-    save_gathered_input=False keeps only x_local for backward (1/tp of the memory) and re-gathers
-    it there, hidden behind the input-gradient GEMMs; None (default): the backend's choice, which
-    re-gathers under "copy_engine" (the transfer rides on the copy engines) and keeps the gathered
-    input otherwise (an NCCL all-gather would take SMs from the GEMMs). Process group: `group`
-    (None: tp=1).
+    save_gathered_input=True keeps the gathered input for the backward (tp times the memory of
+    x_local; inside CUDA graphs its copy out of the peer buffers runs as SM kernels beside the
+    GEMMs); False or None (default) keeps only x_local and gathers it again in the backward,
+    beside the input-gradient GEMMs. Process group: `group` (None: tp=1).
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
         raise ValueError(f"got {len(weights)} weights but {len(biases)} biases")
     if group_size(group) == 1:
         return [torch.nn.functional.linear(x_local, w, b) for w, b in zip(weights, biases)]
-    all_or_no_bias = len({b is None for b in biases}) == 1
-    if overlap_backend(x_local, group) == "copy_engine" and all_or_no_bias:
-        from . import peer_overlap
-        return peer_overlap.all_gather_linear(x_local, weights, biases, group, bool(save_gathered_input))
-    save_gathered_input = True if save_gathered_input is None else save_gathered_input
-    if _use_symm_mem(x_local, group):
-        from . import symm_overlap
-        return symm_overlap.all_gather_linear(x_local, weights, biases, group)
-    from . import pieces_overlap
-    return pieces_overlap.all_gather_linear(x_local, weights, biases, group, save_gathered_input)
+    if any(b is not None for b in biases):  # one stacked bias: zeros (no gradient) where a weight has none
+        biases = [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
+                  for w, b in zip(weights, biases)]
+    return list(_ColumnLinearOverPeers.apply(x_local, group, bool(save_gathered_input), len(weights),
+                                             *weights, *biases))
 
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
                           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """reduce_scatter_along_seq(F.linear(h, weight)) + bias, the GEMM pipelined with the reduce-scatter.
+    """reduce_scatter_along_seq(F.linear(h, weight)) + bias, the GEMMs overlapped with the reduce-scatter.
 
-    h: [s, b, in/tp] (sequence-first); weight: [out, in/tp]; bias: [out] or None, added once to the
-    sum in the output's dtype (its gradient is this rank's tokens' part: a replicated bias needs
-    its gradient summed over tp, e.g. through comm.copy_to_tp_region); returns this rank's summed
-    tokens [s/tp, b, out]. Raises ValueError when s is not divisible by tp. Process group: `group`.
+    h: [s, b, in/tp] (sequence-first); weight: [out, in/tp]; bias: [out] or None, added once per
+    token in this rank's own GEMM (its gradient is this rank's tokens' part: a replicated bias
+    needs its gradient summed over tp, e.g. through comm.copy_to_tp_region); returns this rank's
+    summed tokens [s/tp, b, out]. Raises ValueError, before any collective, when s is not divisible
+    by tp or the bias has the wrong size. Process group: `group`.
     """
     world = group_size(group)
     if world == 1:
@@ -182,14 +407,4 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the weight {tuple(weight.shape)}: "
                          f"it must be [{weight.shape[0]}] (one value per output feature)")
-    if overlap_backend(h, group) == "copy_engine":  # the bias rides in this rank's own GEMM's epilogue
-        from . import peer_overlap
-        return peer_overlap.linear_reduce_scatter(h, weight, group, bias)
-    if _use_symm_mem(h, group):
-        from . import symm_overlap
-        y = symm_overlap.linear_reduce_scatter(h, weight, group)
-    else:
-        from . import pieces_overlap
-        y = pieces_overlap.linear_reduce_scatter(h, weight, group)
-    from ..layers.autocast_linear import add_bias  # layers import this module
-    return add_bias(y, bias)
+    return _RowLinearOverPeers.apply(h, weight, bias, group)

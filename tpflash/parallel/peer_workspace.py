@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Dict, List, Tuple
 
 import torch
@@ -31,7 +32,6 @@ class _Workspace:
 
     def __init__(self, group, device: torch.device, nbytes: int):
         from torch.distributed import _symmetric_memory as symm
-        from .symm_overlap import _group_name
         self.nbytes = nbytes
         self.tensor = symm.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm.rendezvous(self.tensor, _group_name(group))  # collective: every rank at once
@@ -43,6 +43,24 @@ class _Workspace:
     def barrier(self) -> None:
         """Every rank's stream reaches this point before any goes on (a kernel; capturable)."""
         self.handle.barrier(channel=0)
+
+
+_enabled_groups: set = set()
+
+
+def _group_name(group) -> str:
+    """The group's name for symmetric memory, registering the group on first use (torch 2.11 needs
+    `enable_symm_mem_for_group`; later versions deprecate it as unnecessary)."""
+    name = group.group_name
+    if name not in _enabled_groups:
+        from torch.distributed import _symmetric_memory as symm
+        enable = getattr(symm, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(name)
+        _enabled_groups.add(name)
+    return name
 
 
 _workspaces: Dict[tuple, _Workspace] = {}
