@@ -9,7 +9,9 @@ Every implementation trains the same model, GPT-2 style (learned positions, Laye
 embeddings, biases) or with --models llama-1b Llama style (RoPE, RMSNorm, SwiGLU, GQA, untied head, no
 biases), with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
   tpflash[-nooverlap]   tpflash.models.GPT: SP under tp>1, Triton kernels, fused linear+CE loss,
-                        collectives pipelined with the GEMMs (or TPFLASH overlap off)
+                        collectives overlapped with the GEMMs through the copy engines, eagerly
+                        (tpflash.parallel.overlap; over the group's collectives where the GPUs cannot
+                        map each other's memory), or not
   tpflash-graphs[-serial|-overlap]  the same with its blocks replayed as CUDA graphs
                         (capture_cuda_graphs): overlap as the library defaults it there (copy-engine
                         overlap where the GPUs map each other's memory), forced off, or forced on
@@ -42,11 +44,10 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tpflash  # noqa: E402
 from tpflash.models import GPT, GPTConfig  # noqa: E402
-from tpflash.parallel import overlap, peer_collectives, pieces_overlap  # noqa: E402
+from tpflash.parallel import overlap, peer_collectives  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_peers import PlainGPT, PlainLlama, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
-from e2e_comm_probe import collectives_alone  # noqa: E402
 from e2e_table import table  # noqa: E402
 from e2e_timing import describe, device_name, time_steps  # noqa: E402
 
@@ -58,7 +59,7 @@ MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560
           "tiny-llama": dict(d=64, layers=2, heads=4, kv_heads=2, ffn=192, family="llama")}
 IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-serial", "tpflash-graphs-overlap",
          "plain", "plain-compile", "dtensor", "dtensor-compile")
-OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives pipelined with the GEMMs
+OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives overlapped with the GEMMs
 OVERLAP_OFF = ("tpflash-nooverlap", "tpflash-graphs-serial")  # forced off; the others: the library default
 BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile": "plain-compile"}
 
@@ -78,7 +79,7 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         if ps.dp_size > 1 and args.dp_mode == "fsdp":  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction)
             tpflash.parallel.apply_fsdp(model, ps)
         on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
-        if impl.startswith("tpflash-graphs"):  # the replays pipeline (or not) as the capture did
+        if impl.startswith("tpflash-graphs"):  # the replays overlap (or not) as the capture decided
             with _overlap_setting(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
                                                           enabled=args.dtype == "bf16"):
                 model.capture_cuda_graphs(args.batch, args.seq)
@@ -143,13 +144,10 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             row["note"] = "; ".join(filter(None, [row.get("note"), extra.pop("note")]))
         row.update(extra)
         tok_gpu = args.batch * args.seq / ps.tp_size / step_s
-        if impl in OVERLAPPED and ps.tp_size > 1:  # which overlap ran (TPFLASH_OVERLAP_BACKEND / _PIECES)
-            backend = overlap.overlap_backend()
-            how = (f"overlap {backend}" if backend != "pieces"
-                   else f"overlap k={pieces_overlap.num_pieces(args.seq // ps.tp_size)}")
-            if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
-                how += f", CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']}"
-            row["note"] = "; ".join(filter(None, [row.get("note"), how]))
+        if impl.startswith("tpflash") and ps.tp_size > 1:  # whether the collectives overlapped the GEMMs
+            graphed = getattr(model, "_graphed_blocks", None)
+            overlapped = graphed.overlapped if graphed is not None else impl in OVERLAPPED
+            row["note"] = "; ".join(filter(None, [row.get("note"), "overlap " + ("on" if overlapped else "off")]))
         if impl.startswith("tpflash") and ps.tp_size > 1 and peer_collectives.comm_backend() != "nccl":
             row["note"] = "; ".join(filter(None, [row.get("note"), f"comm {peer_collectives.comm_backend()}"]))
         row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu, loss=loss,
@@ -214,7 +212,6 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=None, help="default: the model's (50304 for the GPTs)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--no-comm-probe", action="store_true", help="skip timing the collectives alone")
     p.add_argument("--no-telemetry", action="store_true", help="do not sample the SM clock and power (nvidia-smi)")
     p.add_argument("--results", default="bench_e2e.jsonl", help="JSON lines, appended; the table covers all")
     p.add_argument("--table", default=None, help="also write the markdown table here")
@@ -263,12 +260,10 @@ def main(argv=None) -> None:
             raise ValueError(f"{name!r} is neither an implementation {IMPLS} nor a model {sorted(MODELS)}")
     rows = []
     for model_name in args.models.split(","):
-        todo = [None] if ps.tp_size > 1 and not args.no_comm_probe else []
-        for impl in todo + impls:
+        for impl in impls:
             if ps.rank == 0:
-                print(f"[bench_e2e] {model_name} {impl or 'collectives-alone'} tp={ps.tp_size}", flush=True)
-            rows.append(run_config(model_name, impl, args, ps) if impl
-                        else collectives_alone(model_name, MODELS[model_name], args, ps))
+                print(f"[bench_e2e] {model_name} {impl} tp={ps.tp_size}", flush=True)
+            rows.append(run_config(model_name, impl, args, ps))
             if ps.rank == 0:
                 print(f"[bench_e2e]   {json.dumps(rows[-1])}", flush=True)
                 with open(args.results, "a") as f:

@@ -1,5 +1,5 @@
 """The plain-PyTorch peers that scripts/bench_e2e.py times tpflash against compute the same model:
-loaded with tpflash's weights, they train alike (scripts/probe_init_parity.py, on CPU)."""
+loaded with tpflash's weights, they train alike (on CPU)."""
 import argparse
 import os
 import sys

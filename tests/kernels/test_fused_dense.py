@@ -188,13 +188,13 @@ PATHS = ["extension", "reference"]
 def _need_extension(path):
     """The extension is optional and off by default (docs/csrc.md): where it was not built, its tests
     skip, naming how to build it; where a build was asked for (TPFLASH_JIT_CUDA=1, as
-    scripts/gpu_fused_dense.sh does) and did not load, they fail with the compiler's output."""
+    benchmarks/fused_dense_check.sh does) and did not load, they fail with the compiler's output."""
     if path != "extension" or load_extension() is not None:
         return
     if os.environ.get("TPFLASH_JIT_CUDA") == "1":
         pytest.fail(f"the fused-dense extension is not loaded: {extension_status()}")
     pytest.skip(f"the optional fused-dense extension is not built ({extension_status()}); "
-                "scripts/gpu_fused_dense.sh builds it")
+                "benchmarks/fused_dense_check.sh builds it")
 
 
 @pytest.mark.gpu

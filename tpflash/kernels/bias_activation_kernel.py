@@ -74,7 +74,7 @@ def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, st
 
 # The launch per direction: [BLOCK_R, BLOCK_C] tiles, WARPS warps, PER_SM programs per SM (column
 # blocks x row splits, column_sum_kernel's rule; 4096: one tile per program), STAGES of pipelined
-# loads in the row loop. Swept with scripts/tune_bias_activation.py on an H100 over [8192, 5120 |
+# loads in the row loop. Swept with benchmarks/tune_bias_activation.py on an H100 over [8192, 5120 |
 # 8192 | 10240] bf16 (docs/performance.md, eighth session): the forward at torch's F.gelu speed
 # (90.8 vs 90.1 us at [8192, 8192]), the backward 146 us against 186 for gelu_backward + column_sum.
 LAUNCH = {False: {"BLOCK_R": 1, "BLOCK_C": 1024, "WARPS": 4, "PER_SM": 4096, "STAGES": 1},
@@ -94,7 +94,7 @@ def _grid_rows(rows: int, column_blocks: int, sms: int, cfg: dict):
 def triton_bias_activation(y: torch.Tensor, bias: torch.Tensor, activation: str, dh=None, launch=None):
     """Forward (dh None): act(y + bias), [rows, cols] in y's dtype. Backward: (dy in dh's dtype,
     fp32 [cols] bias gradient). y and dh: [rows, cols] with last-dim stride 1; bias [cols].
-    `launch` overrides keys of the direction's LAUNCH (scripts/tune_bias_activation.py)."""
+    `launch` overrides keys of the direction's LAUNCH (benchmarks/tune_bias_activation.py)."""
     rows, cols = y.shape
     backward = dh is not None
     rule = LAUNCH[backward] if y.is_cuda else INTERPRET_LAUNCH

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# tpflash's GPU check, on whatever GPUs this machine has. Run from anywhere; output also under $OUT
+# (default /tmp/tpflash-gpu-check). Each part fits in 10 minutes on 2 H200s.
+#   bash scripts/gpu_check.sh tests   the gpu-marked tests (kernels, fused loss, autocast linear; 4 pytest
+#                                     workers, so Triton compiles in parallel), then the distributed tests
+#                                     over NCCL: 2-rank cases on 2 GPUs in bf16 (the copy-engine overlap
+#                                     through peer memory, CUDA-graphed GPT), 4-rank cases on 4 GPUs,
+#                                     skipped where there are fewer
+#   bash scripts/gpu_check.sh bench   a short training-step table (scripts/bench_e2e.py): $MODELS (default
+#                                     gpt-1.3b) at tp=1 (tpflash-graphs, plain-compile) and, on 2+ GPUs, at
+#                                     tp=2 (tpflash-graphs, i.e. the library's defaults: the copy-engine
+#                                     overlap where the GPUs map each other's memory; tpflash-graphs-serial;
+#                                     dtensor-compile)
+#   bash scripts/gpu_check.sh train   the trainer at tp=2 on 2 GPUs (--config demo): CUDA graphs on for
+#                                     60 steps, checkpointed, then resumed to 100
+#   bash scripts/gpu_check.sh         tests, then bench
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the symmetric-memory equivalents): some shared
+# machines do not allow it. The fused-dense extension has its own check: benchmarks/fused_dense_check.sh.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TPFLASH_TEST_TIMEOUT=${TPFLASH_TEST_TIMEOUT:-120}
+OUT=${OUT:-/tmp/tpflash-gpu-check}; mkdir -p "$OUT"
+RUN="python3 -m torch.distributed.run --standalone"
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE"
+WORKERS=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")  # pytest-xdist, where installed
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git log -1 --format='commit %H' 2>/dev/null; } 2>&1 | tee "$OUT/device.txt"
+[ "$GPUS" -ge 1 ] || { echo "no CUDA GPU visible"; exit 1; }
+
+tests() {
+  echo "== gpu-marked tests (kernels, fused loss, autocast linear) =="
+  timeout 280 $PYTEST -m gpu tests/kernels tests/test_fused_linear_cross_entropy.py tests/test_autocast_linear.py \
+    -k "not fused_dense" $WORKERS 2>&1 | tee "$OUT/kernels.log" | tail -15
+  echo "== distributed tests over NCCL on $GPUS GPU(s) =="
+  timeout 300 $PYTEST tests/distributed/test_linear.py tests/distributed/test_mlp.py tests/distributed/test_comm.py \
+    tests/distributed/test_overlap.py tests/distributed/test_peer_collectives.py tests/distributed/test_block.py \
+    tests/distributed/test_gpt.py tests/distributed/test_graphed_blocks.py 2>&1 | tee "$OUT/nccl.log" | tail -15
+}
+
+bench() {
+  local e2e="scripts/bench_e2e.py --steps ${STEPS:-5} --warmup 2 --results $OUT/bench_e2e.jsonl"
+  local models=${MODELS:-gpt-1.3b}
+  echo "== training step, tp=1 =="
+  timeout 200 $RUN --nproc_per_node=1 $e2e --tp 1 --models "$models" --impls tpflash-graphs,plain-compile \
+    2>&1 | grep "bench_e2e\]\|Error"
+  if [ "$GPUS" -ge 2 ]; then
+    echo "== training step, tp=2 =="
+    timeout 300 $RUN --nproc_per_node=2 $e2e --tp 2 --models "$models" \
+      --impls tpflash-graphs,tpflash-graphs-serial,dtensor-compile 2>&1 | grep "bench_e2e\]\|Error"
+  fi
+  python3 scripts/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md"
+}
+
+train() {
+  [ "$GPUS" -ge 2 ] || { echo "train needs 2 GPUs"; return 1; }
+  local ck=$OUT/ckpt
+  local t="$RUN --nproc_per_node=2 -m tpflash.train --config demo --tp=2 --cuda_graphs=on"
+  t="$t --log.sample_tokens=0 --log.progress=lines --checkpoint.dir=$ck --log.dir=$OUT/train"
+  rm -rf "$ck"
+  echo "== trainer, tp=2, CUDA graphs on: 60 steps, then resumed to 100 =="
+  timeout 150 $t --train.steps=60 2>&1 | grep "layout\|step 60\|Error"
+  timeout 150 $t --train.steps=100 2>&1 | grep "resumed\|step 100\|Error"
+}
+
+case "${1:-all}" in
+  tests) tests ;;
+  bench) bench ;;
+  train) train ;;
+  all) tests; bench ;;
+  *) echo "usage: bash scripts/gpu_check.sh [tests|bench|train]"; exit 2 ;;
+esac
