@@ -6,7 +6,7 @@
 # ckpt/). Set TPFLASH_DEMO_DIR to put it elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/env.sh
+TPFLASH_PLAIN=1 source scripts/env.sh   # the demo needs the plain install only
 export OMP_NUM_THREADS=1   # one thread per rank: 2 ranks on 2 cores
 # CPU on every machine: on a GPU machine torchrun's two ranks would otherwise ask for two GPUs, and the
 # output below (fp32 on CPU) is what docs/training.md shows. GPU runs: README, "Training on GPUs".
