@@ -75,7 +75,7 @@ def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, st
 # The launch per direction: [BLOCK_R, BLOCK_C] tiles, WARPS warps, PER_SM programs per SM (column
 # blocks x row splits, column_sum_kernel's rule; 4096: one tile per program), STAGES of pipelined
 # loads in the row loop. Swept with benchmarks/tune_bias_activation.py on an H100 over [8192, 5120 |
-# 8192 | 10240] bf16 (docs/performance.md, eighth session): the forward at torch's F.gelu speed
+# 8192 | 10240] bf16 (docs/performance.md, "Memory-bound kernels"): the forward at torch's F.gelu speed
 # (90.8 vs 90.1 us at [8192, 8192]), the backward 146 us against 186 for gelu_backward + column_sum.
 LAUNCH = {False: {"BLOCK_R": 1, "BLOCK_C": 1024, "WARPS": 4, "PER_SM": 4096, "STAGES": 1},
           True: {"BLOCK_R": 32, "BLOCK_C": 128, "WARPS": 8, "PER_SM": 32, "STAGES": 3}}

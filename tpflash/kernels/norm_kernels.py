@@ -49,7 +49,7 @@ def _norm_fwd_kernel(X, RES, W, B, Y, RES_OUT, MEAN, RSTD, n, eps, BLOCK: tl.con
 
 # The backward's launch on a GPU (rows per tile, pipeline stages, warps, programs per SM): a fixed
 # rule of the shapes and dtypes (_bwd_launch), not an autotuner: see the module docstring. Chosen
-# with benchmarks/tune_norm_bwd.py on an H100 (docs/performance.md, fourth session): one program per
+# with benchmarks/tune_norm_bwd.py on an H100 (docs/performance.md, "Memory-bound kernels"): one program per
 # SM walking its rows with 3-stage pipelined loads beat 4 programs per SM by 10-40%.
 TILE_BYTES = 16 * 1024  # a tile of 2 rows only while it holds at most this many bytes of h
 ELEMENTS_PER_WARP = 1024  # warps = tile elements / this (32 per thread), 4 to 16

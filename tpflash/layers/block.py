@@ -99,7 +99,7 @@ class ParallelTransformerBlock(nn.Module):
                  **attn_kw) -> Tuple[torch.Tensor, torch.Tensor]:
         # One all-reduce for the block's partial gradients instead of one per norm and row bias (at tp=2
         # each cost ~30 us of a serial chain), and one multi-tensor cast of its weights instead of ~10
-        # cast kernels (docs/performance.md, ninth session). Outer scopes (GraphedBlocks) take precedence.
+        # cast kernels (docs/architecture.md, "Layers and data flow"). Outer scopes (GraphedBlocks) take precedence.
         with comm.tp_grad_bucket(self.tp_partial_grad_parameters(), self.process_group), \
                 weight_casts.cast_once(self.weight_cast_groups(), weight_casts.compute_dtype(x)):
             if residual is None:

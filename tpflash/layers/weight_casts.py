@@ -2,7 +2,7 @@
 
 Under autocast every GEMM multiplies bf16 copies of fp32 weights. Cast one by one, that is about ten
 small copy kernels per block and step (gpt-2.7b: 354 per step), each with its launch, and inside a
-CUDA graph a dependency gap after it (docs/performance.md, ninth session). Inside `cast_once(groups,
+CUDA graph a dependency gap after it (docs/architecture.md, "Layers and data flow"). Inside `cast_once(groups,
 dtype)` those casts are done on entry by `torch._foreach_copy_` (a few multi-tensor kernels for all
 of them) into one buffer, each group of tensors side by side, so that a group multiplied as one
 stacked weight (q/k/v, up/gate: tpflash.layers.autocast_linear) is a view of it too. `stacked_cast`

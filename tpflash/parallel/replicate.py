@@ -8,7 +8,7 @@ as their gradients become ready, while the backward goes on computing the earlie
 with `gradient_as_bucket_view` the gradients then live in those buckets (each new gradient is
 copied in once, the divide by dp riding on the copy; no copy back). So the replicated path uses
 it rather than a reducer of its own. The price is memory: the buckets stay allocated between
-steps (docs/performance.md, fifteenth session).
+steps (docs/performance.md, "FSDP against replication").
 
 It composes with tensor parallelism because tp parameters are plain local tensors: DDP over
 `ps.dp_group` averages each tp shard with the same shard of its dp peers, and the tp

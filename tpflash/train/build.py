@@ -171,7 +171,7 @@ def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[
     auto: FSDP only at dp > 1 when the replicated state (16 bytes per parameter a rank holds after
     tp) would take more than half of `memory`. Below that, replicating it is faster: on one H100,
     FSDP cost gpt-1.3b 36-43% of its tokens/s even at dp=1, and at tp > 1 it also turns the CUDA
-    graphs off (docs/performance.md, fourteenth session). Every rank must pass the same numbers
+    graphs off (docs/performance.md, "FSDP against replication"). Every rank must pass the same numbers
     (agreed_fsdp_inputs), so that all choose alike."""
     if setting != "auto":
         return setting == "on", ""
@@ -196,8 +196,9 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp
 
     auto: on CUDA, when nothing stands in the way, at tp > 1, where issuing a step's kernels and
     collectives from Python takes longer than the GPUs take to run them (docs/performance.md,
-    fourth session), and at tp=1 with dp=1, where the graphs measured as fast or faster than the
-    eager step (sixteenth session: +1-3% on gpt-1.3b and llama-1b, more where the host stalls). At
+    "End-to-end, two H200s"), and at tp=1 with dp=1, where the graphs measured as fast or faster than
+    the eager step (+1-3% on gpt-1.3b and llama-1b, more where the host stalls; "CUDA graphs in the
+    trainer"). At
     tp=1 with dp > 1 it stays eager: DDP's all-reduces then run during the eager backward, whereas
     a graphed backward hands DDP every gradient at its end. on: wherever possible (CPU runs an eager
     stand-in), ValueError naming what stands in the way. Packed fine-tuning data (data.format=jsonl)

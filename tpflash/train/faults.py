@@ -85,7 +85,7 @@ class StopSignal:
     call, read through pinned memory once that call's step has run. So a SIGTERM stops training one
     step later than it would with a blocking all-reduce, and the host may issue a step while the GPU
     still runs the one before; an eager forward whose Python is as slow as its kernels would
-    otherwise leave the GPU idle at every step (docs/performance.md, twelfth session).
+    otherwise leave the GPU idle at every step (docs/architecture.md, "Trainer").
     """
 
     def __init__(self, device: torch.device):
