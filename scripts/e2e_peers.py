@@ -3,10 +3,41 @@ and the same models under PyTorch's native DTensor tensor parallelism (torchtita
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+_RENAMES = [(r"^tok_embeddings\.", "tok."), (r"^pos_embeddings\.", "pos."), (r"^final_norm\.", "norm."),
+            (r"\.attn_norm\.", ".ln1."), (r"\.mlp_norm\.", ".ln2."), (r"\.attn\.([qkvo])_proj\.", r".attn.\1."),
+            (r"\.mlp\.(up|gate|down)_proj\.", r".mlp.\1.")]
+_GPT2_MLP = [(r"\.mlp\.up\.", ".fc."), (r"\.mlp\.down\.", ".proj.")]
+
+
+def plain_key(key: str, llama: bool) -> str:
+    """The plain peer's name for a tpflash state-dict key."""
+    for pattern, repl in _RENAMES + ([] if llama else _GPT2_MLP):
+        key = re.sub(pattern, repl, key)
+    return key
+
+
+def load_tpflash_weights(plain: nn.Module, tp_model: nn.Module, llama: bool) -> None:
+    """Copy tpflash's full weights into the plain model (the bench's rows start from their own inits;
+    this makes them comparable); every plain parameter must be written."""
+    import tpflash
+    params = dict(plain.named_parameters())
+    written = set()
+    with torch.no_grad():
+        for key, value in tpflash.parallel.full_state_dict(tp_model).items():
+            name = plain_key(key, llama)
+            params[name].copy_(value)
+            written.add(name)
+    if not llama:
+        written.add("lm_head.weight")  # tied to tok.weight
+    missing = set(params) - written
+    if missing:
+        raise RuntimeError(f"plain parameters not loaded from tpflash: {sorted(missing)}")
 
 
 class Attention(nn.Module):

@@ -9,10 +9,24 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from bench_e2e import MODELS, build  # noqa: E402
-from probe_init_parity import load_tpflash_weights, losses, plain_key  # noqa: E402
+from bench_e2e import MODELS, build, make_optimizer  # noqa: E402
+from e2e_peers import load_tpflash_weights, plain_key  # noqa: E402
 
 ONE_PROCESS = SimpleNamespace(tp_size=1, dp_size=1, device=torch.device("cpu"), tp_group=None, tp_mesh=None)
+
+
+def losses(model, loss_fn, args, device, steps):
+    """The losses of `steps` AdamW steps on one fixed batch (as bench_e2e times it)."""
+    opt = make_optimizer(model, device)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1234))
+    out = []
+    for _ in range(steps):
+        loss = loss_fn(idx[:, :-1].to(device), idx[:, 1:].to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss.item())
+    return out
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-llama"])

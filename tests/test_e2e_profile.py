@@ -48,6 +48,7 @@ def test_alone_by_category_splits_the_span_into_solo_overlapped_and_idle_time():
 
 
 def test_trace_lag_finds_idle_gaps_and_the_launching_op():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from trace_lag import summarise
     events = [  # two kernels; the second launched late by "aten::mm", leaving the GPU idle 90 us
         {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 20},
