@@ -7,7 +7,7 @@
 #      each example; the weights stream from the safetensors files, each rank reading its own shard;
 #   3. export the result as a Hugging Face directory at the end of training;
 #   4. reload it with transformers, compare its logits with tpflash's, and generate a few tokens.
-# About 1-2 minutes on 2 cores. Output: runs/finetune/ (TPFLASH_FINETUNE_DIR to put it elsewhere).
+# About 30-60 seconds on 2 cores. Output: runs/finetune/ (TPFLASH_FINETUNE_DIR to put it elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
