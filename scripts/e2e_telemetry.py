@@ -1,7 +1,7 @@
 """The GPU's SM clock and power draw while a benchmark runs, sampled by nvidia-smi in the background.
 
 An H100 or H200 running large bf16 GEMMs back to back sits at its 700 W power cap and lowers its
-SM clock to stay there (docs/performance.md, tenth session). Two step times measured at different
+SM clock to stay there (docs/performance.md, "Where tpflash does not yet win"). Two step times measured at different
 clocks are not comparable kernel for kernel, and a change that removes memory-bound passes can
 come back as slower GEMMs. bench_e2e.py therefore reports, beside each row's step time, the mean
 SM clock and power over its timed steps and the share of samples with the power cap active.

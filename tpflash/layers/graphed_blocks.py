@@ -2,7 +2,7 @@
 
 Under tensor parallelism a training step issues, per block and direction, dozens of kernels and
 collectives, each with its own Python and launch cost; at tp=2 on fast GPUs the host then takes
-longer to issue a step than the GPUs take to run it (docs/performance.md, third session). Captured
+longer to issue a step than the GPUs take to run it (docs/performance.md, "End-to-end, two H200s"). Captured
 once, the whole stack's forward (every block, its collectives included) is one `replay()`, and so
 is its backward (activation gradients, parameter gradients, and one all-reduce of all the
 sequence-parallel partial gradients): the host cost of the stack no longer grows with its depth.
