@@ -122,11 +122,49 @@ def load_tokens(cfg: DataConfig, tokenizer) -> np.ndarray:
             raise ValueError(f"data.format={fmt} needs exactly one existing token file, got data.path={cfg.path}; "
                              f"make one from text with `python -m tpflash.train.prepare OUT.bin TEXT_PATHS... "
                              f"--tokenizer {cfg.tokenizer}`")
-        tokens = np.memmap(cfg.path[0], dtype=np.dtype(fmt), mode="r")
+        tokens = open_token_file(cfg.path[0], np.dtype(fmt))
         if cfg.max_bytes:
             tokens = tokens[: cfg.max_bytes // tokens.itemsize]
         return tokens
     return np.concatenate([tokenizer.encode(chunk) for chunk in text_chunks(cfg)])
+
+
+def open_token_file(path: str, dtype: np.dtype) -> np.memmap:
+    """`path` as a read-only memmap of `dtype`; an empty file, or one whose size is not a whole number of
+    tokens (a copy cut short), is a ValueError naming the file (numpy's own errors name neither)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ValueError(f"token file {path!r} is empty: it holds no {dtype.name} tokens")
+    if size % dtype.itemsize:
+        raise ValueError(f"token file {path!r} has {size} bytes, not a multiple of {dtype.itemsize} "
+                         f"({dtype.name} tokens): it is truncated or not a {dtype.name} token file")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def token_source(cfg: DataConfig) -> str:
+    """How an error names the token stream: the token file, or the text paths and their tokenizer."""
+    if token_format(cfg) in ("uint16", "uint32"):
+        return f"token file {cfg.path[0]!r}"
+    return f"the text of data.path={cfg.path} tokenized by {cfg.tokenizer!r}"
+
+
+CHECK_CHUNK = 1 << 26  # tokens per chunk of check_token_ids: 128 MiB of uint16, bounded memory on any file
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, source: str) -> None:
+    """Raise ValueError if any token id is >= vocab_size, naming `source`, the first such id's position
+    and value and the vocabulary size. Called before training, because an id outside the embedding
+    fails deep inside a step (on GPU as a device-side assert), or not at all on some paths.
+
+    A vectorised max per chunk of the memmap: reads the whole stream once (about a second per GB
+    from the page cache), and only the chunk holding a bad id is searched for its position."""
+    for start in range(0, len(tokens), CHECK_CHUNK):
+        chunk = np.asarray(tokens[start: start + CHECK_CHUNK])
+        if int(chunk.max()) >= vocab_size:
+            offset = int(np.argmax(chunk >= vocab_size))
+            raise ValueError(f"{source}: token id {int(chunk[offset])} at position {start + offset} is outside "
+                             f"the model's vocabulary of {vocab_size} (ids 0..{vocab_size - 1}); make the "
+                             "token file with the model's tokenizer, or set model.vocab_size")
 
 
 def text_chunks(cfg: DataConfig) -> Iterator[bytes]:
