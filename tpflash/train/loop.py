@@ -18,7 +18,8 @@ from .. import parallel
 from . import build, packing
 from .fingerprint import job_fingerprint
 from .config import TrainConfig, check_values, to_yaml
-from .data import load_tokens, make_tokenizer, token_format, split_train_eval, unigram_entropy
+from .data import (check_token_ids, load_tokens, make_tokenizer, token_format, token_source, split_train_eval,
+                   unigram_entropy)
 from .faults import Fault, StopSignal
 from .gradients import clipped_step, global_grad_norm, tp_sharded_param_ids
 from .metrics import MetricsWriter, Throughput, check_logging, memory_gb, peak_flops
@@ -96,6 +97,8 @@ class Trainer:
         else:
             self.train_data, self.eval_data = split_train_eval(tokens, self.seq_len, cfg.data.eval_fraction)
             counted = self.train_data.tokens
+        if tokens is not None:  # every id inside the embedding: found here, not as a failure inside a step
+            check_token_ids(tokens, self.model_config.vocab_size, token_source(cfg.data))
         self.entropy = unigram_entropy(counted, self.model_config.vocab_size)
 
     def _build_model(self, model_cls, dp: int) -> None:
