@@ -24,6 +24,7 @@ def test_throughput_leaves_paused_time_out_of_the_rate(monkeypatch):
     meter.add(1000)
     out = meter.read()
     assert out["tokens_per_s"] == 1000.0  # 2000 tokens over 2 s of training, not over 7 s
+    assert out["tokens_per_s_per_gpu"] == 500.0  # the job's rate over its 2 devices
     assert out["mfu"] == 1000.0 * 6.0 / (100.0 * 2)
 
 
@@ -35,7 +36,7 @@ def test_throughput_read_starts_a_new_interval(monkeypatch):
         clock.now += 3.0
     meter.add(10)
     clock.now += 1.0
-    assert meter.read() == {"tokens_per_s": 10.0}
+    assert meter.read() == {"tokens_per_s": 10.0, "tokens_per_s_per_gpu": 10.0}
     meter.add(40)
     clock.now += 2.0
-    assert meter.read() == {"tokens_per_s": 20.0}  # the pause belonged to the last interval only
+    assert meter.read() == {"tokens_per_s": 20.0, "tokens_per_s_per_gpu": 20.0}  # the pause belonged to the last interval only

@@ -22,7 +22,7 @@ from .data import (check_token_ids, load_tokens, make_tokenizer, token_format, t
                    unigram_entropy)
 from .faults import Fault, StopSignal
 from .gradients import clipped_step, global_grad_norm, tp_sharded_param_ids
-from .metrics import MetricsWriter, Throughput, check_logging, memory_gb, peak_flops
+from .metrics import MetricsWriter, Throughput, check_logging, finish, memory_gb, peak_flops, start_warnings
 from .sampler import GlobalSampler
 from .schedule import WarmupCosine
 from .trace import StepTracer
@@ -317,6 +317,9 @@ class Trainer:
         cfg = self.cfg
         out = MetricsWriter(cfg.log, cfg.train.steps, self.step, enabled=self.is_main)
         self.describe(out)
+        for text in start_warnings(cfg):
+            out.warn(text)
+        first_step = self.step  # of this run (a resumed run starts past 0)
         flops = self.model.flops_per_token(self.seq_len) if hasattr(self.model, "flops_per_token") else 0.0
         meter = Throughput(flops, peak_flops(cfg.log, self.device), self.ps.world_size)
         stop = StopSignal(self.device)
@@ -345,6 +348,7 @@ class Trainer:
                 if stop.agreed():
                     out.note(f"SIGTERM: saving step {self.step} and exiting")
                     self.save()
+                    finish(out, cfg, meter, first_step, self.step, self._saved_step, last, self.device)
                     return last
                 if self._is_every(cfg.checkpoint.interval):
                     with meter.paused(self.device):
@@ -355,6 +359,7 @@ class Trainer:
                 out.log(self.step, {"eval_loss": eval_loss}, kind="eval")
             self.save()
             self.export_hf()
+            finish(out, cfg, meter, first_step, self.step, self._saved_step, last, self.device)
             return last
         finally:
             tracer.close()

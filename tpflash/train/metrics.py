@@ -12,11 +12,11 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from .config import LogSection
+from .config import LogSection, TrainConfig
 from .trace import check_trace
 
 H100_BF16_DENSE_FLOPS = 989e12  # per GPU: the default MFU denominator on CUDA
@@ -41,7 +41,9 @@ def memory_gb(device: torch.device) -> Dict[str, float]:
 
 class Throughput:
     """Tokens/s and MFU over the training time since the last `read()`: time spent inside `paused()`
-    (evaluation, checkpoints) is left out, so the rate is the training's own.
+    (evaluation, checkpoints) is left out, so the rate is the training's own. `tokens_per_s` is the
+    whole job's rate, `tokens_per_s_per_gpu` that over `world` (the figure the README's tables quote).
+    `totals()` gives the same over the whole run so far.
 
     flops_per_token: training FLOPs per token of the whole model (forward + backward);
     peak: one device's peak FLOP/s; world: devices the tokens were spread over.
@@ -50,6 +52,8 @@ class Throughput:
     def __init__(self, flops_per_token: float, peak: float, world: int):
         self.flops_per_token, self.peak, self.world = flops_per_token, peak, world
         self._t0, self._tokens, self._paused_s = time.perf_counter(), 0, 0.0
+        self._done_tokens, self._done_s = 0, 0.0  # the intervals already read
+        self.started = self._t0  # the run's wall clock starts here (for the summary)
 
     def add(self, tokens: int) -> None:
         self._tokens += tokens
@@ -66,14 +70,27 @@ class Throughput:
         finally:
             self._paused_s += time.perf_counter() - start
 
-    def read(self) -> Dict[str, float]:
-        now = time.perf_counter()
-        rate = self._tokens / max(now - self._t0 - self._paused_s, 1e-9)
-        self._t0, self._tokens, self._paused_s = now, 0, 0.0
-        out = {"tokens_per_s": rate}
+    def _rates(self, tokens: int, seconds: float) -> Dict[str, float]:
+        rate = tokens / max(seconds, 1e-9)
+        out = {"tokens_per_s": rate, "tokens_per_s_per_gpu": rate / self.world}
         if self.peak > 0 and self.flops_per_token > 0:
             out["mfu"] = rate * self.flops_per_token / (self.peak * self.world)
         return out
+
+    def read(self) -> Dict[str, float]:
+        """The rates since the last read; starts a new interval."""
+        now = time.perf_counter()
+        seconds = now - self._t0 - self._paused_s
+        out = self._rates(self._tokens, seconds)
+        self._done_tokens, self._done_s = self._done_tokens + self._tokens, self._done_s + seconds
+        self._t0, self._tokens, self._paused_s = now, 0, 0.0
+        return out
+
+    def totals(self) -> Dict[str, float]:
+        """The whole run so far (the unread interval included): tokens, training seconds and their rates."""
+        seconds = self._done_s + time.perf_counter() - self._t0 - self._paused_s
+        tokens = self._done_tokens + self._tokens
+        return {"tokens": tokens, "train_s": seconds, **self._rates(tokens, seconds)}
 
 
 def _format(value: Any) -> str:
@@ -120,6 +137,25 @@ class MetricsWriter:
             self.bar.write(text)
         elif self.lines:
             print(text, flush=True)
+
+    def warn(self, text: str) -> None:
+        """A warning on stderr (rank 0): what the run does that its user probably did not mean."""
+        if not self.enabled:
+            return
+        line = f"WARNING: {text}"
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def summary(self, step: int, record: Dict[str, Any], text: str) -> None:
+        """The end-of-run record: one JSON line of kind "summary" in metrics.jsonl, `text` on stdout."""
+        if not self.enabled:
+            return
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"kind": "summary", "step": step, "time": round(time.time(), 3),
+                                         **record}) + "\n")
+        self.note(text)
 
     def note(self, text: str) -> None:
         """A free-form line on stdout (rank 0)."""
@@ -171,3 +207,60 @@ def _tensorboard(cfg: LogSection, path: str):
             raise ValueError("log.tensorboard=on but tensorboard is not installed (pip install tensorboard)") from None
         return None
     return SummaryWriter(path)
+
+
+NO_CHECKPOINT_DIR = ("no checkpoint.dir: nothing of this run is saved; set --checkpoint.dir=DIR "
+                     "(e.g. runs/NAME/ckpt) to save and resume it")
+
+
+def start_warnings(cfg: TrainConfig) -> List[str]:
+    """What a run's config does that is probably not meant, said before its first step (rank 0)."""
+    out = []
+    if not cfg.checkpoint.dir:
+        out.append(NO_CHECKPOINT_DIR)
+    t = cfg.train
+    if 0 < t.steps < t.warmup_steps:
+        reached = t.lr * t.steps / t.warmup_steps  # linear warmup: lr * (step + 1) / warmup at the last step
+        out.append(f"train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the run never reaches "
+                   f"train.lr={t.lr:g} (its last step uses {reached:.3g}); lower train.warmup_steps")
+    return out
+
+
+def end_warnings(cfg: TrainConfig) -> List[str]:
+    """Repeated after the last step, where a long run's user looks."""
+    return [NO_CHECKPOINT_DIR] if not cfg.checkpoint.dir else []
+
+
+def run_summary(cfg: TrainConfig, meter: Throughput, first_step: int, step: int, saved_step: int,
+                last: Dict[str, float], device: torch.device):
+    """(record, text) of the end-of-run summary: steps, tokens, time, mean tokens/s per GPU, MFU
+    (where the device's peak is known), peak memory, final train and eval loss, and where the
+    checkpoints and metrics are."""
+    totals = meter.totals()
+    wall_s = time.perf_counter() - meter.started
+    memory = memory_gb(device)  # this rank's (rank 0 writes the summary)
+    record = {"steps": step - first_step, "first_step": first_step + 1, "last_step": step,
+              "tokens": totals["tokens"], "time_s": wall_s, "train_s": totals["train_s"],
+              "tokens_per_s": totals["tokens_per_s"], "tokens_per_s_per_gpu": totals["tokens_per_s_per_gpu"],
+              **({"mfu": totals["mfu"]} if "mfu" in totals else {}), **memory,
+              **{k: last[k] for k in ("loss", "eval_loss") if k in last}}
+    ck, log_dir = cfg.checkpoint.dir, cfg.log.dir
+    where_ck = (f"checkpoints: {ck} (newest step {saved_step})" if ck and saved_step >= 0
+                else f"checkpoints: none written to {ck}" if ck else "checkpoints: none (no checkpoint.dir)")
+    where_log = f"metrics: {os.path.join(log_dir, 'metrics.jsonl')}" if log_dir else "metrics: stdout only (no log.dir)"
+    mem = ", ".join(f"{k} {_format(v)}" for k, v in memory.items())
+    losses = " ".join(f"{k} {_format(record[k])}" for k in ("loss", "eval_loss") if k in record) or "no loss logged"
+    text = (f"run summary: steps {record['first_step']}-{step} ({record['steps']} steps), {totals['tokens']} tokens "
+            f"in {_format(wall_s)} s ({_format(totals['train_s'])} s training), "
+            f"{_format(totals['tokens_per_s_per_gpu'])} tokens/s per GPU x {meter.world}, "
+            f"mfu {_format(totals['mfu']) if 'mfu' in totals else 'n/a'}, peak {mem} (rank 0), {losses}; "
+            f"{where_ck}; {where_log}")
+    return record, text
+
+
+def finish(out: MetricsWriter, cfg: TrainConfig, meter: Throughput, first_step: int, step: int, saved_step: int,
+           last: Dict[str, float], device: torch.device) -> None:
+    """The end of a run (finished or stopped by SIGTERM) on rank 0: the summary, then the warnings again."""
+    out.summary(step, *run_summary(cfg, meter, first_step, step, saved_step, last, device))
+    for text in end_warnings(cfg):
+        out.warn(text)

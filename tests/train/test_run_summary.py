@@ -1,0 +1,74 @@
+"""What a run says about itself: warnings at start (no checkpoint.dir, warmup longer than the run),
+tokens/s both for the job and per GPU, and the end-of-run summary line."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests.train.common import tiny_config
+from tests.train.elastic import ROOT, TINY_GPT, env
+from tests.train.test_metrics import FakeClock
+from tpflash.train import metrics
+
+
+def test_no_checkpoint_dir_and_a_long_warmup_warn(tmp_path):
+    cfg = tiny_config("x", train={"steps": 6, "warmup_steps": 12, "lr": 1e-2})
+    assert metrics.start_warnings(cfg) == [
+        metrics.NO_CHECKPOINT_DIR,
+        "train.warmup_steps=12 > train.steps=6: the run never reaches train.lr=0.01 (its last step uses 0.005); "
+        "lower train.warmup_steps"]
+    assert metrics.end_warnings(cfg) == [metrics.NO_CHECKPOINT_DIR]
+    assert "set --checkpoint.dir=" in metrics.NO_CHECKPOINT_DIR
+
+
+def test_a_saved_run_with_a_short_warmup_has_no_warning():
+    cfg = tiny_config("x", checkpoint={"dir": "runs/x/ckpt"}, train={"steps": 6, "warmup_steps": 6})
+    assert metrics.start_warnings(cfg) == [] and metrics.end_warnings(cfg) == []
+
+
+def test_totals_cover_the_whole_run_and_the_summary_names_where_things_are(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    meter = metrics.Throughput(flops_per_token=6.0, peak=100.0, world=2)
+    meter.add(1000)
+    clock.now += 1.0
+    meter.read()
+    with meter.paused():
+        clock.now += 5.0  # a save: in the wall time, not the training time
+    meter.add(3000)
+    clock.now += 1.0  # not read yet: counted all the same
+    totals = meter.totals()
+    assert totals["tokens"] == 4000 and totals["train_s"] == 2.0
+    assert totals["tokens_per_s"] == 2000.0 and totals["tokens_per_s_per_gpu"] == 1000.0
+    cfg = tiny_config("x", checkpoint={"dir": "runs/x/ckpt"}, log={"dir": "runs/x"})
+    record, text = metrics.run_summary(cfg, meter, first_step=4, step=10, saved_step=10,
+                                       last={"loss": 2.5, "eval_loss": 2.75}, device=torch.device("cpu"))
+    assert record["steps"] == 6 and record["tokens"] == 4000 and record["time_s"] == 7.0
+    assert record["mfu"] == 2000.0 * 6.0 / 200.0 and record["eval_loss"] == 2.75
+    assert text.startswith("run summary: steps 5-10 (6 steps), 4000 tokens in 7 s (2 s training), "
+                           "1000 tokens/s per GPU x 2, mfu 60, peak rss_gb "), text
+    assert text.endswith("loss 2.5 eval_loss 2.75; checkpoints: runs/x/ckpt (newest step 10); "
+                         "metrics: runs/x/metrics.jsonl"), text
+
+
+def test_a_run_without_checkpoint_dir_warns_at_start_and_end_and_ends_with_a_summary(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
+    cmd = [sys.executable, "-m", "tpflash.train", f"--data.path={corpus}", f"--log.dir={tmp_path}",
+           *TINY_GPT, "--train.steps=3", "--train.warmup_steps=10", "--log.tensorboard=off"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warning = f"WARNING: {metrics.NO_CHECKPOINT_DIR}"
+    assert proc.stderr.count(warning) == 2, proc.stderr  # at start and at the end
+    assert "WARNING: train.warmup_steps=10 > train.steps=3" in proc.stderr, proc.stderr
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("run summary: ")]
+    assert len(summary) == 1 and "steps 1-3 (3 steps)" in summary[0], proc.stdout
+    assert "checkpoints: none (no checkpoint.dir)" in summary[0] and "eval_loss" in summary[0], summary
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert all(r["tokens_per_s_per_gpu"] == r["tokens_per_s"] for r in train)  # one process: one device
+    (record,) = [r for r in rows if r["kind"] == "summary"]
+    assert record["steps"] == 3 and record["tokens"] == 3 * 4 * 16 and record["loss"] == train[-1]["loss"]
