@@ -62,6 +62,10 @@ def test_missing_shard_file_fails_load_on_every_rank_naming_it(ranks, tmp_path):
         assert "is corrupt" in message and "__0_0.distcp is missing" in message, message
 
 
+def _tmps(root, step):
+    return [n for n in os.listdir(root) if n.startswith(f"{directory.TMP_PREFIX}step_{step}-")]
+
+
 def crash_body(root):
     model, optimizer = _trained(2, 1)
     tpflash.checkpoint.save(root, model, optimizer, step=1)
@@ -80,15 +84,15 @@ def crash_body(root):
     finally:
         directory.commit = commit
     assert tpflash.checkpoint.latest(root) == os.path.join(root, "step_1")
-    assert os.path.isdir(directory.tmp_dir(root, 2)) and not os.path.exists(os.path.join(root, "step_2"))
+    assert len(_tmps(root, 2)) == 1 and not os.path.exists(os.path.join(root, "step_2"))
     fresh = build(seed=1)
     fresh_optimizer = make_optimizer(fresh)
     assert tpflash.checkpoint.load(root, fresh, fresh_optimizer)["step"] == 1
     after = full_state(fresh, fresh_optimizer)
     assert all(torch.equal(after[k], v) for k, v in before.items()), "previous checkpoint did not load intact"
-    tpflash.checkpoint.save(root, model, optimizer, step=2)  # the next save cleans up the stale temp dir
+    tpflash.checkpoint.save(root, model, optimizer, step=2)  # the next save removes this process's failed temp
     assert tpflash.checkpoint.latest(root) == os.path.join(root, "step_2")
-    assert not os.path.exists(directory.tmp_dir(root, 2))
+    assert _tmps(root, 2) == []
 
 
 def test_crash_mid_save_keeps_previous_checkpoint_loadable(ranks, tmp_path):

@@ -3,6 +3,7 @@
     path = tpflash.checkpoint.save("ckpt", model, optimizer, step=100, scheduler=sched, tokens_seen=n)
     info = tpflash.checkpoint.load("ckpt", model, optimizer, scheduler=sched)  # {"step": 100, "tokens_seen": n}
     tpflash.checkpoint.latest("ckpt")                                            # ".../ckpt/step_100"
+    model = tpflash.checkpoint.load_model("ckpt")  # built from its saved config, on this layout, eval mode
 
 `python -m tpflash.checkpoint consolidate DIR OUT.safetensors [--hf-dir HFDIR]` writes one
 unsharded file offline; `python -m tpflash.checkpoint export-hf DIR OUT_DIR` a Hugging Face model
@@ -11,6 +12,7 @@ directory, one tensor at a time (`tpflash.checkpoint.export_hf.export_hf`). See 
 from .api import load, save, wait_pending
 from .directory import latest
 from .integrity import CheckpointCorruptError
+from .model_loader import load_model
 from .staging import PendingSave
 
-__all__ = ["CheckpointCorruptError", "PendingSave", "latest", "load", "save", "wait_pending"]
+__all__ = ["CheckpointCorruptError", "PendingSave", "latest", "load", "load_model", "save", "wait_pending"]

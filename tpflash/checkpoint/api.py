@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..parallel.state import get_default_state
 from . import directory, integrity, optim
-from .blob import from_blob, to_blob
+from .blob import UnsafeCheckpointError, from_blob, to_blob
 from .directory import latest
 from .extras import (CONFIG_FILE, META_KEY, RNG_PREFIX, meta_for_save, model_config, restore_extras, rng_state,
                      set_rng_state, split_meta_keys)
@@ -56,6 +56,15 @@ def _all_gather(obj, group=None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def _broadcast(obj, group=None):
+    """Rank 0's `obj` on every rank of `group`."""
+    if _rank_world(group)[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
 
 
 def _on_rank0(fn, group=None):
@@ -97,10 +106,11 @@ def _state_for_save(model, optimizer, step: int, extras: dict) -> dict:
 
 
 def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Optional[dict], group) -> str:
-    """Write `state` to root/.tmp-step_N, checksum it, rename it to root/step_N, update `latest`."""
+    """Write `state` to a unique root/.tmp-step_N-*, checksum it, rename it to root/step_N, update `latest`."""
     rank = _rank_world(group)[0]
-    tmp = directory.tmp_dir(root, step)
-    _on_rank0(lambda: directory.prepare_tmp(root, step), group)
+    made = []
+    _on_rank0(lambda: made.append(directory.prepare_tmp(root, step)), group)
+    tmp = _broadcast(made[0] if made else None, group)  # its name is rank 0's (host, pid, random)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkSavePlanner(), process_group=group,
              no_dist=_no_dist())
     try:
@@ -228,7 +238,22 @@ def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         dcp.load(targets, storage_reader=reader, planner=ChunkLoadPlanner(), no_dist=_no_dist())
     if optimizer is not None:
         optim.apply_loaded(model, optimizer, targets, pending)
-    meta = from_blob(targets[META_KEY])
-    if meta["layout"]["world"] == world and rank in rng_keys:
-        set_rng_state(from_blob(targets[rng_keys[rank]]), model)
+    meta, rng = _unpickle_agreed(path, targets, rng_keys.get(rank), world)
+    if meta["layout"]["world"] == world and rng is not None:
+        set_rng_state(rng, model)
     return restore_extras(meta, extra)
+
+
+def _unpickle_agreed(path: str, targets: dict, rng_key: Optional[str], world: int):
+    """(meta, this rank's RNG state or None), unpickled safely (blob.py); a refused entry on any rank
+    raises the same UnsafeCheckpointError on every rank (RNG entries differ per rank)."""
+    meta = rng = problem = None
+    try:
+        meta = from_blob(targets[META_KEY], f"{path}: entry {META_KEY!r}")
+        rng = from_blob(targets[rng_key], f"{path}: entry {rng_key!r}") if rng_key is not None else None
+    except UnsafeCheckpointError as e:
+        problem = str(e)
+    problems = [p for p in (_all_gather(problem) if world > 1 else [problem]) if p is not None]
+    if problems:
+        raise UnsafeCheckpointError(problems[0])
+    return meta, rng

@@ -3,25 +3,40 @@
     root/
       step_100/          committed: complete, with manifest.json
       step_200/
-      .tmp-step_300/     a save in progress (or one that crashed: ignored, removed by the next save)
+      step_250.corrupt/  a step that failed verification at resume, moved aside (never deleted)
+      .tmp-step_300-<host>-<pid>-<hex>/   a save in progress (or one that crashed)
       latest             text file naming the newest committed directory ("step_200")
+      job.lock           the job that owns this root (lock.py)
 
-A save writes into `.tmp-step_N`, then one rename makes it `step_N`, then `latest` is replaced
-(write a temp file, os.replace). A crash at any point leaves `latest` naming a complete
-checkpoint. Only rank 0 touches the root; the other ranks wait at a barrier.
+A save writes into its own `.tmp-step_N-<host>-<pid>-<hex>` (a unique name: two writers never share
+a temp), then one rename makes it `step_N`, then `latest` is replaced (a temp file, os.replace).
+The newest committed directory with a manifest is the checkpoint (`latest()`); the pointer is
+for people and tools, so a crash between the rename and the pointer update loses nothing.
+A process removes only temps it made itself; the lock holder removes those of dead jobs
+(`remove_tmps`). Only rank 0 touches the root.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import socket
+import uuid
 from typing import List, Optional, Tuple
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 LATEST = "latest"
 MANIFEST = "manifest.json"
+CORRUPT_SUFFIX = ".corrupt"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_OWNER_RE = re.compile(r"^\.tmp-(?:old-)?(?:step_\d+|latest)-(.+)-(\d+)-[0-9a-f]{8}$")  # host, pid
+_own_tmps = set()  # temps this process made and has not committed (a failed save's: removed by the next)
+
+
+def unique_suffix() -> str:
+    """-<host>-<pid>-<random hex>: makes a temp name this process's alone."""
+    return f"-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def step_dir(root: str, step: int) -> str:
@@ -30,8 +45,8 @@ def step_dir(root: str, step: int) -> str:
 
 
 def tmp_dir(root: str, step: int) -> str:
-    """Where a save of step `step` is written before the rename commits it."""
-    return os.path.join(root, f"{TMP_PREFIX}{STEP_PREFIX}{step}")
+    """A fresh unique path where a save of step `step` is written before the rename commits it."""
+    return os.path.join(root, f"{TMP_PREFIX}{STEP_PREFIX}{step}{unique_suffix()}")
 
 
 def committed_steps(root: str) -> List[Tuple[int, str]]:
@@ -47,18 +62,11 @@ def committed_steps(root: str) -> List[Tuple[int, str]]:
 
 
 def latest(root: str) -> Optional[str]:
-    """The newest committed checkpoint directory under `root` (what `latest` names), or None.
+    """The newest committed checkpoint directory under `root` that has a manifest, or None.
 
-    Without a `latest` file (a crash between the first commit and its pointer) the newest
-    committed directory with a manifest is returned.
+    Not what the `latest` file names: a crash between a step's rename and the pointer update
+    leaves the pointer one step behind a complete checkpoint.
     """
-    pointer = os.path.join(root, LATEST)
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            name = f.read().strip()
-        path = os.path.join(root, name)
-        if name and os.path.isdir(path):
-            return path
     for _, path in reversed(committed_steps(root)):
         if os.path.isfile(os.path.join(path, MANIFEST)):
             return path
@@ -81,12 +89,54 @@ def resolve(path: str) -> str:
 
 
 def prepare_tmp(root: str, step: int) -> str:
-    """An empty temporary directory for step's save (a stale one from a crashed save is removed)."""
+    """A new empty temporary directory for step's save, with a unique name. Temps of this process's
+    own failed saves are removed; other temps may belong to a live writer and are left alone."""
+    for old in list(_own_tmps):
+        shutil.rmtree(old, ignore_errors=True)
+        _own_tmps.discard(old)
     path = tmp_dir(root, step)
-    if os.path.exists(path):
-        shutil.rmtree(path)
     os.makedirs(path)
+    _own_tmps.add(path)
     return path
+
+
+def _pid_dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def remove_dead_tmps(root: str, holder: Optional[Tuple[str, int]] = None) -> List[str]:
+    """Remove the temps of dead writers: those named for a dead pid on this host, and those of
+    `holder` (host, pid), a lock holder found gone. Returns their names; others are left alone."""
+    if not os.path.isdir(root):
+        return []
+    host, removed = socket.gethostname(), []
+    for name in sorted(os.listdir(root)):
+        match = _TMP_OWNER_RE.match(name)
+        if not name.startswith(TMP_PREFIX) or match is None:
+            continue
+        owner = (match.group(1), int(match.group(2)))
+        if (holder is not None and owner == (holder[0], int(holder[1]))) or (owner[0] == host and _pid_dead(owner[1])):
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+            removed.append(name)
+    return removed
+
+
+def quarantine(path: str) -> str:
+    """Move a damaged step directory aside as step_N.corrupt (no longer a checkpoint, never pruned
+    or overwritten, never deleted); returns the new path."""
+    target, n = path + CORRUPT_SUFFIX, 1
+    while os.path.exists(target):
+        target, n = f"{path}{CORRUPT_SUFFIX}-{n}", n + 1
+    os.rename(path, target)
+    _fsync_dir(os.path.dirname(path) or ".")
+    return target
 
 
 def _fsync_dir(path: str) -> None:
@@ -104,7 +154,7 @@ def _fsync_dir(path: str) -> None:
 
 def write_latest(root: str, name: str) -> None:
     """Point `latest` at `name` atomically (temp file + os.replace)."""
-    tmp = os.path.join(root, f"{TMP_PREFIX}{LATEST}")
+    tmp = os.path.join(root, f"{TMP_PREFIX}{LATEST}{unique_suffix()}")
     with open(tmp, "w") as f:
         f.write(name + "\n")
         f.flush()
@@ -118,13 +168,13 @@ def commit(root: str, tmp: str, step: int, keep: int) -> str:
     final = step_dir(root, step)
     _fsync_dir(tmp)
     if os.path.exists(final):  # re-saving a step (e.g. after a restart): move the old one aside first
-        old = os.path.join(root, f"{TMP_PREFIX}old-{STEP_PREFIX}{step}")
-        shutil.rmtree(old, ignore_errors=True)
+        old = os.path.join(root, f"{TMP_PREFIX}old-{STEP_PREFIX}{step}{unique_suffix()}")
         os.rename(final, old)
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
+    _own_tmps.discard(tmp)
     _fsync_dir(root)
     write_latest(root, os.path.basename(final))
     prune(root, keep, protect=final)

@@ -36,7 +36,7 @@ def describe(path: str, verify: bool = True) -> Dict[str, object]:
     model = {k: m for k, m in saved.items() if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
     meta = {META_KEY: None}
     load_in_one_process(meta, reader)
-    meta = from_blob(meta[META_KEY])
+    meta = from_blob(meta[META_KEY], f"{path}: entry {META_KEY!r}")
     config = meta.get("model_config") or {}
     return {
         "path": path, "step": meta["step"], "layout": meta["layout"], "torch": meta.get("torch", "?"),

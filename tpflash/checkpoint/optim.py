@@ -116,7 +116,7 @@ def apply_loaded(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: Dic
     The saved hyper-parameters (lr, betas, weight_decay, ...) are restored, as torch's own
     load_state_dict does; the RUNTIME_KEYS stay this optimizer's."""
     groups = _param_names(model, optimizer)
-    saved_groups = from_blob(loaded[GROUPS_KEY])
+    saved_groups = from_blob(loaded[GROUPS_KEY], f"checkpoint entry {GROUPS_KEY!r}")
     if len(saved_groups) != len(groups) or any(set(s["params"]) != set(g) for s, g in zip(saved_groups, groups)):
         raise ValueError("optimizer param groups differ from the checkpoint's: "
                          f"saved {[len(s['params']) for s in saved_groups]} parameters per group, "

@@ -92,6 +92,9 @@ class CheckpointSection:
     resume: bool = True
     async_save: bool = False  # periodic saves return once tensors are in host memory (the last one waits)
     export_hf: str = ""  # at the end of training, a Hugging Face model directory here (tpflash.models.save_pretrained)
+    on_corrupt: str = "fallback"  # newest step fails verification at resume: fallback (to the step before) | error
+    # model config fields a resumed run may set to other values than the checkpoint's (tpflash.train.resume_config)
+    allow_config_change: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -136,7 +139,8 @@ class TrainConfig:
 SECTIONS = {f.name: f for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory)}
 _CHOICES = {"dtype": ("auto", "bf16", "fp32"), "fsdp": ("auto", "on", "off"), "cuda_graphs": ("auto", "on", "off"),
             "data.format": ("auto", "text", "uint16", "uint32", "jsonl"), "train.fused_adam": ("auto", "on", "off"),
-            "log.progress": ("auto", "bar", "lines", "none"), "log.tensorboard": ("auto", "on", "off")}
+            "log.progress": ("auto", "bar", "lines", "none"), "log.tensorboard": ("auto", "on", "off"),
+            "checkpoint.on_corrupt": ("fallback", "error")}
 
 
 def _unknown(key: str, valid: Sequence[str]) -> ValueError:
