@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel
-from . import build, packing
+from . import build, packing, resume_config
 from .fingerprint import job_fingerprint
 from .config import TrainConfig, check_values, to_yaml
 from .data import (check_token_ids, load_tokens, make_tokenizer, token_format, token_source, split_train_eval,
@@ -82,8 +82,9 @@ class Trainer:
         is_text = token_format(cfg.data) in ("text", "jsonl")
         self._tokenizer = make_tokenizer(cfg.data.tokenizer) if is_text else None  # token files: only to sample
         tokens = None if self.packed else load_tokens(cfg.data, self._tokenizer)
-        self.model_config = build.resolve_model_config(
-            cfg.model, self._tokenizer.vocab_size if is_text else None, config_cls)
+        # a resumed run's model is the checkpoint's: explicit keys are checked against it (resume_config)
+        self.model_config = resume_config.model_config_for_run(
+            cfg, self._tokenizer.vocab_size if is_text else None, config_cls)
         if hasattr(self.model_config, "check_tp"):
             self.model_config.check_tp(cfg.tp)
         self.seq_len = cfg.data.seq_len or self.model_config.block_size
