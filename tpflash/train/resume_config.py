@@ -127,16 +127,24 @@ def _against_fields(path: str, stored: dict, model_keys: Dict[str, Any], allowed
                          f"{config_cls.__name__}: {e}") from None
     if not model_keys:
         return _check_vocab(path, saved, vocab_size)
-    run = resolve_model_config(model_keys, vocab_size, config_cls)
     names = [f.name for f in dataclasses.fields(config_cls)]
-    explicit = [n for n in names if n in model_keys]
     chooser = next((f"model.{k}={model_keys[k]!r}" for k in CHOOSERS if model_keys.get(k)), None)
     if chooser:  # a preset or HF config describes every field; the vocabulary is the tokenizer's unless given
-        explicit = [n for n in names if n in model_keys or
-                    (n not in RUN_ONLY_FIELDS and (n != "vocab_size" or model_keys.get("init_from")))]
+        run = resolve_model_config(model_keys, vocab_size, config_cls)
+        explicit = {n: getattr(run, n) for n in names if n in model_keys or
+                    (n not in RUN_ONLY_FIELDS and (n != "vocab_size" or model_keys.get("init_from")))}
+    else:  # single fields: set on the checkpoint's config (not on the defaults, which may not fit them)
+        unknown = sorted(set(model_keys) - set(names) - set(CHOOSERS))
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; valid: {sorted(names)}")
+        explicit = {n: model_keys[n] for n in names if n in model_keys}
+    try:
+        resolved = dataclasses.replace(saved, **explicit)  # its __post_init__ spells the values as saved ones are
+    except ValueError:
+        resolved = None  # the fields below name what the run changed
     diffs, fields = [], []
-    for name in explicit:
-        ours, theirs = getattr(run, name), getattr(saved, name)
+    for name, ours in explicit.items():
+        ours, theirs = getattr(resolved, name) if resolved is not None else ours, getattr(saved, name)
         if name in RUN_ONLY_FIELDS or name in allowed or ours == theirs:
             continue
         source = f"--model.{name}" if name in model_keys else chooser
@@ -144,7 +152,8 @@ def _against_fields(path: str, stored: dict, model_keys: Dict[str, Any], allowed
         fields.append(name)
     if diffs:
         raise _mismatch_error(path, diffs, fields)
-    resolved = dataclasses.replace(saved, **{n: getattr(run, n) for n in explicit})
+    if resolved is None:
+        resolved = dataclasses.replace(saved, **explicit)  # the config error itself: nothing differs but it is invalid
     return _check_vocab(path, resolved, vocab_size)
 
 
