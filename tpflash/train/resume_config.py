@@ -44,12 +44,20 @@ def _qualified(cls) -> str:
 
 
 def checkpoint_to_resume(cfg) -> Optional[str]:
-    """The step directory a run of `cfg` resumes from (checkpoint.dir's latest), or None."""
+    """The step directory whose recorded config a run of `cfg` resumes with, or None when it starts
+    afresh: checkpoint.dir's latest, or the newest step before it whose model_config.json reads, as
+    the trainer falls back past a damaged newest step (the steps of one run record one model)."""
     ck = cfg.checkpoint
     if not (ck.dir and ck.resume):
         return None
-    from ..checkpoint import latest
-    return latest(ck.dir)
+    from ..checkpoint import directory
+    newest = directory.latest(ck.dir)
+    if newest is None:
+        return None
+    for path in [newest] + [p for _, p in reversed(directory.committed_steps(ck.dir)) if p != newest]:
+        if _stored_config(path) is not None:
+            return path
+    return newest
 
 
 def model_config_for_run(cfg, vocab_size: Optional[int], config_cls) -> Any:
@@ -93,8 +101,11 @@ def _stored_config(path: str) -> Optional[dict]:
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
         return None
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, ValueError):  # a damaged step: the trainer falls back past it, and so does the search above
+        return None
 
 
 def _stored_keys(root: str) -> Optional[Dict[str, Any]]:
