@@ -11,8 +11,12 @@ directory, one tensor at a time (`tpflash.checkpoint.export_hf.export_hf`). See 
 """
 from .api import load, save, wait_pending
 from .directory import latest
+from .blob import UnsafeCheckpointError
 from .integrity import CheckpointCorruptError
+from .lock import CheckpointLockedError
 from .model_loader import load_model
+from .resume import CheckpointDirMismatchError, claim, resume_point
 from .staging import PendingSave
 
-__all__ = ["CheckpointCorruptError", "PendingSave", "latest", "load", "load_model", "save", "wait_pending"]
+__all__ = ["CheckpointCorruptError", "CheckpointDirMismatchError", "CheckpointLockedError", "PendingSave",
+           "UnsafeCheckpointError", "claim", "latest", "load", "load_model", "resume_point", "save", "wait_pending"]

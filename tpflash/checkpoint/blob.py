@@ -36,7 +36,8 @@ def _numpy_globals() -> List[object]:
     return [np.ndarray, np.dtype, multiarray._reconstruct, multiarray.scalar, *sorted(dtypes, key=str)]
 
 
-SAFE_GLOBALS = _numpy_globals()
+# TorchVersion (a str subclass): the torch version of checkpoints written before it was stored as a str
+SAFE_GLOBALS = [torch.torch_version.TorchVersion, *_numpy_globals()]
 
 
 def to_blob(value: object) -> bytes:
@@ -56,8 +57,8 @@ def from_blob(blob: bytes, where: str = "a checkpoint entry") -> object:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        what = found.group(1) if found else "an object outside the allow-list"
+        found = re.search(r"(?:global|GLOBAL) (?:GLOBAL )?([\w.]+)", str(e))
+        what = found.group(1) if found else "object outside the allow-list"
         raise UnsafeCheckpointError(
             f"{where} holds a pickled {what}, which tpflash never stores; it was refused unloaded. "
             "Checkpoints hold only tensors, builtins and NumPy values; load this one only if you trust it, "

@@ -54,7 +54,7 @@ def meta_for_save(step: int, extras: Dict[str, object], model: nn.Module, layout
     stateful = sorted(name for name, value in extras.items() if is_stateful(value))
     values = {name: (value.state_dict() if name in stateful else value) for name, value in extras.items()}
     return {"format": FORMAT, "step": step, "extras": values, "stateful": stateful, "layout": layout,
-            "model_config": model_config(model), "torch": torch.__version__}
+            "model_config": model_config(model), "torch": str(torch.__version__)}
 
 
 def restore_extras(meta: dict, extras: Dict[str, object]) -> dict:
