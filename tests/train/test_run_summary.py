@@ -2,6 +2,7 @@
 tokens/s both for the job and per GPU, and the end-of-run summary line."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -72,3 +73,25 @@ def test_a_run_without_checkpoint_dir_warns_at_start_and_end_and_ends_with_a_sum
     assert all(r["tokens_per_s_per_gpu"] == r["tokens_per_s"] for r in train)  # one process: one device
     (record,) = [r for r in rows if r["kind"] == "summary"]
     assert record["steps"] == 3 and record["tokens"] == 3 * 4 * 16 and record["loss"] == train[-1]["loss"]
+
+
+def test_a_run_stopped_by_sigterm_ends_with_its_summary(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "tpflash.train", f"--data.path={corpus}", f"--checkpoint.dir={ckpt}",
+           *TINY_GPT, "--train.steps=100000", "--train.warmup_steps=2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # wait until training runs
+            if line.startswith("[train] step 3 "):
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # no-op once it has exited
+    assert proc.returncode == 0, rest
+    (summary,) = [line for line in rest.splitlines() if line.startswith("run summary: ")]
+    saved = int(open(ckpt / "latest").read().strip().rsplit("_", 1)[1])
+    assert f"checkpoints: {ckpt} (newest step {saved})" in summary and f"steps 1-{saved} " in summary, summary
+    assert "WARNING" not in rest  # a checkpoint.dir and a short warmup: nothing to warn about
