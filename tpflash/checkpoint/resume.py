@@ -67,7 +67,8 @@ def agreed_steps(root: str) -> List[str]:
     """The committed step directory names every rank sees (oldest first); CheckpointDirMismatchError
     on every rank if they differ."""
     mine = [os.path.basename(p) for _, p in directory.committed_steps(root)]
-    views = _all_gather(mine)
+    gathered = _all_gather((root, mine))  # with rank 0's root, so that every rank raises the same line
+    views = [view for _, view in gathered]
     if any(v != views[0] for v in views):
         by_view = {}
         for rank, view in enumerate(views):
@@ -75,7 +76,7 @@ def agreed_steps(root: str) -> List[str]:
         parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} see{'' if len(r) > 1 else 's'} "
                  f"{_describe_view(list(v))} ({len(v)} steps)" for v, r in by_view.items()]
         raise CheckpointDirMismatchError(
-            f"{'; '.join(parts)} in {root}: the ranks must see the same checkpoint directory (a shared filesystem)")
+            f"{'; '.join(parts)} in {gathered[0][0]}: the ranks must see the same checkpoint directory (a shared filesystem)")
     return mine
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Dict, Optional
 
 import numpy as np
@@ -46,6 +47,8 @@ class Trainer:
         fingerprint = job_fingerprint(cfg, self.model_config, self.train_data.tokens,
                                       self.eval_data.tokens if self.eval_data else None)
         self.ps = parallel.init(tp=cfg.tp, dp=dp, agree=fingerprint)  # every rank runs this same job, or all raise
+        self.checkpoint_warnings = []  # fallbacks past damaged steps, lock takeovers (also printed by rank 0)
+        self.dir_lock = self._claim_checkpoint_dir()  # one job per checkpoint.dir: every rank raises if it is taken
         self.device = self.ps.device
         self.is_main = dist.get_rank() == 0
         self.amp_dtype = build.autocast_dtype(cfg, self.device)
@@ -128,20 +131,47 @@ class Trainer:
                 pretrained.load_pretrained_weights(self.model, self.init_from, hf_files)
 
     # ---------------------------------------------------------------- checkpoints
-    def _checkpoint_to_resume(self) -> bool:
-        ck = self.cfg.checkpoint
-        if not (ck.dir and ck.resume):
-            return False
-        from .. import checkpoint
-        return checkpoint.latest(ck.dir) is not None
+    def _checkpoint_warning(self, message: str) -> None:
+        self.checkpoint_warnings.append(message)
+        if dist.get_rank() == 0:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
-    def _resume(self) -> Optional[Dict]:
-        if not self._checkpoint_to_resume():
+    def _claim_checkpoint_dir(self):
+        """The lock of checkpoint.dir on rank 0 (None elsewhere or without a dir); collective
+        (tpflash.checkpoint.claim): a directory another live job holds is refused on every rank."""
+        if not self.cfg.checkpoint.dir:
             return None
         from .. import checkpoint
+        return checkpoint.claim(self.cfg.checkpoint.dir, warn=self._checkpoint_warning)
+
+    def release_checkpoint_dir(self) -> None:
+        """Give checkpoint.dir's lock back (run() does at its end, error or not; also done at exit)."""
+        if self.dir_lock is not None:
+            self.dir_lock.release()
+            self.dir_lock = None
+
+    def _checkpoint_to_resume(self) -> Optional[str]:
+        """The step directory to resume from, or None: agreed by every rank and verified, newest first,
+        past damaged steps (checkpoint.on_corrupt). Collective on the first call, cached after."""
         ck = self.cfg.checkpoint
+        if not (ck.dir and ck.resume):
+            return None
+        if not hasattr(self, "_resume_path"):
+            from .. import checkpoint
+            try:
+                self._resume_path = checkpoint.resume_point(ck.dir, ck.on_corrupt, warn=self._checkpoint_warning)
+            except BaseException:
+                self.release_checkpoint_dir()  # this job will not run: the directory is free for the next
+                raise
+        return self._resume_path
+
+    def _resume(self) -> Optional[Dict]:
+        path = self._checkpoint_to_resume()
+        if path is None:
+            return None
+        from .. import checkpoint
         configured = build.optimizer_settings(self.optimizer)  # the config's; the checkpoint gives moments and step
-        info = checkpoint.load(ck.dir, self.model, self.optimizer, scheduler=self.schedule, data=self.sampler)
+        info = checkpoint.load(path, self.model, self.optimizer, scheduler=self.schedule, data=self.sampler)
         self.changed_settings = build.restore_optimizer_settings(self.optimizer, configured)
         self.step = self._saved_step = int(info["step"])
         if self.schedule.step_count != self.step:
@@ -176,6 +206,7 @@ class Trainer:
                             saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
             if final:
                 checkpoint.wait_pending(ck.dir)
+                self.release_checkpoint_dir()  # the job's last write to the directory: free it for the next job
         self._saved_step = self.step
         if self.is_main:
             os.makedirs(ck.dir, exist_ok=True)  # an async save may not have made it yet
@@ -366,6 +397,7 @@ class Trainer:
             tracer.close()
             stop.restore()
             out.close()
+            self.release_checkpoint_dir()
 
     @property
     def tokenizer(self):
