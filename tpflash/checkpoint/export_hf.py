@@ -10,7 +10,6 @@ The output is the one `tpflash.models.save_pretrained` writes.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 from typing import Dict, List, Optional, Union
 
@@ -22,23 +21,18 @@ from ..models.hf import hf_tensor
 from ..models.hf_config import hf_config_dict
 from ..models.pretrained_save import check_export_args, hf_plan, write_hf_dir
 from . import directory, integrity
-from .consolidate import _import, load_in_one_process
-from .extras import CONFIG_FILE
+from .consolidate import load_in_one_process
 from .layout import MODEL_PREFIX
 
 
 def stored_config(path: str):
     """The GPTConfig saved with checkpoint directory `path`; ValueError when there is none or it is not a GPT's."""
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise ValueError(f"{path} has no {CONFIG_FILE}: the saved model had no `.config`, so no Hugging Face "
-                         "model can be described")
-    with open(config_path) as f:
-        stored = json.load(f)
-    if not stored["class"].endswith(".GPTConfig"):
-        raise ValueError(f"{path}: the saved model's config is a {stored['class']}; only tpflash GPT models "
-                         "(GPTConfig) have a Hugging Face layout")
-    return _import(stored["class"])(**stored["fields"])
+    from .model_loader import saved_config
+    config_cls, fields, _ = saved_config(path)
+    if config_cls.__name__ != "GPTConfig":
+        raise ValueError(f"{path}: the saved model's config is a {config_cls.__qualname__}; only tpflash GPT "
+                         "models (GPTConfig) have a Hugging Face layout")
+    return config_cls(**fields)
 
 
 def tensors_from_dict(tensors: Dict[str, torch.Tensor]):

@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from ..parallel.sharding import ShardSpec, iter_sharded
+from ..parallel.sharding import ShardSpec, dp_block, iter_sharded
 from ..parallel.state import group_rank, group_size
 
 MODEL_PREFIX = "model."
@@ -62,20 +62,6 @@ class Chunk:
         return Chunk(self.piece.detach().to("cpu", copy=True), self.offsets, self.shape)
 
 
-def _dp_block(like: torch.Tensor) -> Tuple[List[int], List[int]]:
-    """(offsets, sizes) of this rank's dp block within its tp-local tensor (FSDP DTensor placements)."""
-    sizes, offsets = list(like.shape), [0] * like.dim()
-    if isinstance(like, DTensor):
-        coord = like.device_mesh.get_coordinate()
-        for mesh_dim, placement in enumerate(like.placements):
-            if isinstance(placement, Shard):
-                d = placement.dim
-                start, end = ShardSpec(d, sizes[d]).local_range(coord[mesh_dim], like.device_mesh.size(mesh_dim))
-                offsets[d] += start
-                sizes[d] = end - start
-    return offsets, sizes
-
-
 @dataclass
 class TensorSlot:
     """One checkpoint entry: `key`, the live tensor `target` (plain or FSDP DTensor) and its tp layout."""
@@ -107,7 +93,7 @@ class TensorSlot:
         if local is None:
             local = self.target.to_local() if isinstance(self.target, DTensor) else self.target
         local = local.detach()
-        offsets, sizes = _dp_block(self.target)
+        offsets, sizes = dp_block(self.target)
         if list(local.shape) != sizes:
             raise RuntimeError(f"{self.key}: layout error, local tensor {tuple(local.shape)} != dp block {sizes}")
         if self.spec is not None:

@@ -32,11 +32,12 @@ DEFAULT_MODEL_CLASS = "tpflash.models.gpt.GPT"  # checkpoints written before mod
 
 
 def saved_config(path: str):
-    """(config, model class) recorded in checkpoint directory `path`; ValueError when it recorded none."""
+    """(config class, its fields, model class) recorded in checkpoint directory `path`; ValueError when it
+    recorded none."""
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
-        raise ValueError(f"{path} has no {CONFIG_FILE}: the saved model had no `.config`, so load_model cannot "
-                         "build it; build the model yourself and call tpflash.checkpoint.load(path, model)")
+        raise ValueError(f"{path} has no {CONFIG_FILE}: the saved model had no `.config`, so no model can be "
+                         "built from it alone; build the model yourself and call tpflash.checkpoint.load(path, model)")
     with open(file) as f:
         stored = json.load(f)
     return _import(stored["class"]), stored["fields"], _import(stored.get("model_class") or DEFAULT_MODEL_CLASS)

@@ -18,6 +18,18 @@ def padded_vocab_size(num_embeddings: int, tp: int) -> int:
     return math.ceil(num_embeddings / tp) * tp
 
 
+def _initial_table(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int],
+                   init_method: Optional[Callable], device, dtype) -> torch.Tensor:
+    """The unsharded [num_embeddings, embedding_dim] table nn.Embedding would draw for the same RNG state
+    (padding row zeroed); each rank keeps its shard of it."""
+    full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+    (init_method or nn.init.normal_)(full)
+    if padding_idx is not None:
+        with torch.no_grad():
+            full[padding_idx].zero_()
+    return full
+
+
 class VocabParallelEmbedding(nn.Module):
     """nn.Embedding(num_embeddings, embedding_dim) with rows split over tp.
 
@@ -47,11 +59,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = rank * self.rows_per_rank  # first padded row held here
         self.sequence_parallel, self.seq_dim, self.check_ids = sequence_parallel, seq_dim, check_ids
         self.tp_shard_specs = {"weight": ShardSpec(0, num_embeddings)}
-        full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
-        (init_method or nn.init.normal_)(full)  # nn.Embedding's draws for the same RNG state
-        if padding_idx is not None:
-            with torch.no_grad():
-                full[padding_idx].zero_()
+        full = _initial_table(num_embeddings, embedding_dim, padding_idx, init_method, device, dtype)
         self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(full, rank, tp))
         local_pad = None if padding_idx is None else padding_idx - self.vocab_start
         self._local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.rows_per_rank else None
@@ -122,11 +130,7 @@ class ColumnParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
         self.tp_shard_specs = {"weight": ShardSpec(1, embedding_dim)}
-        full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
-        (init_method or nn.init.normal_)(full)  # nn.Embedding's draws for the same RNG state
-        if padding_idx is not None:
-            with torch.no_grad():
-                full[padding_idx].zero_()
+        full = _initial_table(num_embeddings, embedding_dim, padding_idx, init_method, device, dtype)
         self.weight = nn.Parameter(self.tp_shard_specs["weight"].shard(full, rank, tp))
 
     @classmethod

@@ -18,9 +18,9 @@ from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from ..parallel.sharding import ShardSpec, iter_sharded
+from ..parallel.sharding import ShardSpec, dp_block, iter_sharded
 from ..parallel.state import get_default_state, group_rank, group_size
 from .config import GPTConfig
 from .gpt import GPT
@@ -97,20 +97,9 @@ def check_files(model: torch.nn.Module, files: HFFiles) -> Dict[str, str]:
 
 
 def _local_block(param: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
-    """(this rank's storage of `param`, its offset per dim in the tp-local tensor): FSDP2 shards with
-    torch.chunk along the DTensor's Shard dims (HSDP's Replicate dims add nothing)."""
-    if not isinstance(param, DTensor):
-        return param.detach(), [0] * param.dim()
-    local, offsets = param.to_local().detach(), [0] * param.dim()
-    sizes = list(param.shape)
-    coord = param.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            d = placement.dim
-            start, end = ShardSpec(d, sizes[d]).local_range(coord[mesh_dim], param.device_mesh.size(mesh_dim))
-            offsets[d] += start
-            sizes[d] = end - start
-    return local, offsets
+    """(this rank's storage of `param`, its offset per dim in the tp-local tensor; sharding.dp_block)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.detach(), dp_block(param)[0]
 
 
 def owned_block(target: _Target) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,23 @@ def take_shards(module: nn.Module, tensors: Mapping[str, Optional[torch.Tensor]]
                     piece = piece.clone()
             param = nn.Parameter(piece, requires_grad=full.requires_grad)
         setattr(module, name, param)
+
+
+def dp_block(t: torch.Tensor) -> Tuple[List[int], List[int]]:
+    """(offsets, sizes) per dim of this rank's block of `t` within its tp-local tensor: an FSDP2
+    DTensor is split with torch.chunk along its Shard dims (HSDP's Replicate dims add nothing);
+    a plain tensor is the whole block."""
+    sizes, offsets = list(t.shape), [0] * t.dim()
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import Shard
+        coord = t.device_mesh.get_coordinate()
+        for mesh_dim, placement in enumerate(t.placements):
+            if isinstance(placement, Shard):
+                d = placement.dim
+                start, end = ShardSpec(d, sizes[d]).local_range(coord[mesh_dim], t.device_mesh.size(mesh_dim))
+                offsets[d] += start
+                sizes[d] = end - start
+    return offsets, sizes
 
 
 def iter_sharded(module: nn.Module) -> Iterator[Tuple[str, ShardSpec, Optional[dist.ProcessGroup]]]:
