@@ -88,7 +88,7 @@ def test_info_cli_describes_a_checkpoint_saved_at_tp2(saved):
     _, tiny_root, tiny_full, _, _ = saved
     out = _python("-m", "tpflash.checkpoint", "info", tiny_root)
     values = sum(v.numel() for v in tiny_full.values())
-    assert "step 1" in out and "saved at tp=2 dp=1 (world 2)" in out
+    assert "step 1" in out and "saved at tp=2 cp=1 dp=1 (world 2)" in out
     assert f"{len(tiny_full)} tensors, {values:,} values; optimizer state" in out
     assert "every file's sha256 matches its manifest" in out
 

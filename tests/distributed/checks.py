@@ -12,6 +12,11 @@ def init_tp(tp: int, dp: int = -1):
     return tpflash.parallel.init(tp=tp, dp=dp)
 
 
+def init_layout(tp: int, cp: int, dp: int = -1):
+    """The ParallelState with a cp dimension for this test (also made the default for layers)."""
+    return tpflash.parallel.init(tp=tp, cp=cp, dp=dp)
+
+
 def work_dtype(device: torch.device) -> torch.dtype:
     """fp32 on CPU (tight checks); bf16 on GPU (the dtype training uses; loose checks)."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -1,4 +1,5 @@
-"""apply_fsdp: 2-D FSDP x TP (and HSDP) training equals single-process training; wrapping policies."""
+"""apply_fsdp: 2-D FSDP x TP (and HSDP) training equals single-process training, also sharded over dp x cp;
+wrapping policies."""
 import types
 
 import pytest
@@ -7,7 +8,7 @@ import torch.nn as nn
 
 import tpflash
 from tests.checkpoint.tiny_model import TinyBlock, TinyLM, batch, build, full_state, make_optimizer, train, unshard
-from tests.distributed.checks import assert_close, init_tp
+from tests.distributed.checks import assert_close, init_layout, init_tp
 from tpflash.parallel.fsdp import apply_fsdp, block_wrap_policy, hsdp_mesh, select_units, size_wrap_policy
 
 pytestmark = pytest.mark.cpu_ranks  # the tiny models live on CPU: gloo even where GPUs are visible
@@ -32,6 +33,30 @@ def training_body(tp, hsdp_replicas, reshard_after_forward):
                          ids=["dp2-tp2", "dp4-no-reshard", "hsdp2x2"])
 def test_fsdp_training_equals_single_process_training(ranks, tp, hsdp_replicas, reshard):
     ranks(4).run(training_body, tp, hsdp_replicas, reshard)
+
+
+def cp_training_body(tp, cp):
+    """cp ranks hold the same parameters as dp peers: FSDP shards over all dp * cp of them. The tiny
+    model is not context-parallel, so here every dp * cp rank simply trains on its own rows."""
+    ps = init_layout(tp, cp)
+    model = apply_fsdp(build(seed=0), ps)
+    for name, p in model.named_parameters():
+        assert p.device_mesh == ps.dp_cp_mesh and p.device_mesh.size() == ps.dp_size * cp, name
+        if p.shape[0] % ps.dp_cp_size == 0:
+            assert p.to_local().shape[0] == p.shape[0] // ps.dp_cp_size, (name, p.to_local().shape, p.shape)
+    reference = build(seed=0, tp=False)
+    optimizer, ref_optimizer = make_optimizer(model), make_optimizer(reference)
+    train(model, optimizer, range(STEPS), ps.dp_cp_rank, ps.dp_cp_size)
+    train(reference, ref_optimizer, range(STEPS))
+    got, expected = full_state(model, optimizer), full_state(reference, ref_optimizer)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert_close(got[key], value, key, tol=1e-5)
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2)], ids=["dp2-cp2", "dp1-cp2-tp2"])
+def test_fsdp_shards_over_dp_times_cp_and_trains_like_one_process(ranks, tp, cp):
+    ranks(4).run(cp_training_body, tp, cp)
 
 
 def mixed_precision_body():
@@ -97,6 +122,13 @@ def test_hsdp_replicas_must_divide_dp():
     fake = types.SimpleNamespace(dp_size=4, tp_size=1, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="hsdp_replicas=3 must be >= 1 and divide dp=4"):
         hsdp_mesh(fake, 3)
+
+
+def test_hsdp_with_context_parallelism_is_refused():
+    tpflash.parallel.set_default_state(None)
+    fake = types.SimpleNamespace(dp_size=2, cp_size=2, tp_size=1, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="hsdp_replicas=2 with cp=2 is not supported"):
+        apply_fsdp(TinyLM(), fake, hsdp_replicas=2)
 
 
 def test_apply_fsdp_without_parallel_state_raises():

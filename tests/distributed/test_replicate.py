@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.checkpoint.tiny_model import build, full_state, make_optimizer, train
-from tests.distributed.checks import assert_close, init_tp
+from tests.distributed.checks import assert_close, init_layout, init_tp
 from tests.models.reference import assert_grad_close
 from tpflash.parallel import replicate_over_dp
 
@@ -31,6 +31,27 @@ def training_body(tp):
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp4", "dp2-tp2"])
 def test_replicated_training_equals_single_process_training(ranks, tp):
     ranks(4).run(training_body, tp)
+
+
+def cp_average_body():
+    """Each of the dp * cp ranks feeds its own data; every rank ends with the mean of all their gradients."""
+    ps = init_layout(1, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    reference = torch.nn.Linear(4, 3)
+    reference.load_state_dict(model.state_dict())
+    ddp = replicate_over_dp(model, ps)
+    assert ddp.process_group is ps.dp_cp_group and ps.dp_cp_size == 4
+    data = [torch.randn(5, 4, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    ddp(data[ps.dp_cp_rank]).square().sum().backward()
+    for x in data:  # the single-process reference: the same losses, each weighted 1/4
+        (reference(x).square().sum() / 4).backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, ref.grad, f"grad of {name}", tol=1e-6)
+
+
+def test_ddp_averages_gradients_over_dp_times_cp_ranks(ranks):
+    ranks(4).run(cp_average_body)
 
 
 def overlap_body():

@@ -81,9 +81,10 @@ def _checkpoint_dir(tmp_path, **fields):
 
 def test_run_only_fields_may_change_and_unset_fields_come_from_the_checkpoint(tmp_path):
     path = _checkpoint_dir(tmp_path, sequence_parallel=True, dropout=0.1)
-    keys = {"activation_checkpointing": True, "fused_loss": False, "init_std": 0.01, "seed": 5}
+    keys = {"activation_checkpointing": True, "fused_loss": False, "init_std": 0.01, "seed": 5, "fp8": "rowwise"}
     got = resume_config.resolve_against(path, path, keys, [], 256, GPTConfig)
     assert (got.n_head, got.dropout, got.sequence_parallel, got.activation_checkpointing) == (2, 0.1, True, True)
+    assert got.fp8 == "rowwise"
 
 
 def test_a_preset_names_every_field_it_describes_but_the_tokenizers_vocabulary(tmp_path):

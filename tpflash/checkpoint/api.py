@@ -89,7 +89,8 @@ def _on_rank0(fn, group=None):
 def _layout() -> Dict[str, int]:
     ps = get_default_state()
     world = _rank_world()[1]
-    return {"world": world, "dp": ps.dp_size if ps else world, "tp": ps.tp_size if ps else 1}
+    return {"world": world, "dp": ps.dp_size if ps else world, "tp": ps.tp_size if ps else 1,
+            "cp": ps.cp_size if ps else 1}
 
 
 def _state_for_save(model, optimizer, step: int, extras: dict) -> dict:

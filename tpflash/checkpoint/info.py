@@ -52,8 +52,8 @@ def format_description(d: Dict[str, object]) -> List[str]:
     layout = d["layout"]
     return [
         f"checkpoint {d['path']}: step {d['step']}",
-        f"saved at tp={layout.get('tp')} dp={layout.get('dp')} (world {layout.get('world')}) with torch {d['torch']};"
-        " it loads at any (dp, tp)",
+        f"saved at tp={layout.get('tp')} cp={layout.get('cp', 1)} dp={layout.get('dp')} (world {layout.get('world')}) "
+        f"with torch {d['torch']}; it loads at any (dp, cp, tp)",
         f"model {d['model_class']}: {d['model_tensors']} tensors, {d['model_values']:,} values"
         + ("; optimizer state" if d["optimizer"] else "; no optimizer state"),
         f"extras: {', '.join(d['extras']) or 'none'}",

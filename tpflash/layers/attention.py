@@ -19,9 +19,12 @@ import torch.nn as nn
 
 from .. import kernels
 from ..parallel import comm
+from ..parallel.context_attention import CP_COMMS, context_parallel_attention
 from ..parallel.sharding import ShardSpec
-from ..parallel.state import group_rank, group_size, resolve_tp_group, sublayer_group
+from ..parallel.state import group_rank, group_size, resolve_cp_group, resolve_tp_group, sublayer_group
+from ..parallel.zigzag import zigzag_positions
 from .autocast_linear import linear
+from .fp8_linear import check_fp8_recipe
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_linears, init_linear_full
 from .norm import HeadNorm
 from .rotary import RotaryEmbedding
@@ -98,7 +101,11 @@ class ParallelAttention(nn.Module):
     qkv_bias: biases on q/k/v (default `bias`); `bias` alone sets o_proj's. qk_norm: a per-head RMSNorm
     (eps=norm_eps) on q and k after the projection, before rotary (Qwen3).
     The core is tpflash.kernels.flash_attention on [batch, seq, heads, head_dim] views, or with
-    cu_seqlens on its varlen form (see `forward`).
+    cu_seqlens on its varlen form (see `forward`). Context parallelism: with a cp group (`cp_group`,
+    else the default state's when its cp > 1; NO_GROUP for none), x holds this cp rank's seq/cp tokens
+    in the zigzag layout (tpflash.parallel.zigzag) and attention runs over the whole sequence through
+    tpflash.parallel.context_attention (`cp_comm` "ring" or "allgather"); heads stay split over tp.
+    fp8 "rowwise" / "tensorwise": the q/k/v and o GEMMs in fp8 (tpflash.layers.fp8_linear, docs/fp8.md).
     Parameters: q_proj, k_proj, v_proj, o_proj (nn.Linear layouts; keys as a plain module's), and
     q_norm.weight / k_norm.weight ([head_dim], replicated) with qk_norm.
     `out_init_method` initialises o_proj (e.g. GPT-2's 1/sqrt(2*n_layer) scaled init).
@@ -110,8 +117,12 @@ class ParallelAttention(nn.Module):
                  qk_norm: bool = False, norm_eps: float = 1e-6, rope_scaling: Optional[Dict[str, Any]] = None,
                  max_positions: int = 2048, softmax_scale: Optional[float] = None,
                  init_method: Optional[InitMethod] = None, out_init_method: Optional[InitMethod] = None,
-                 device=None, dtype=None):
+                 cp_group=None, cp_comm: str = "ring", fp8: str = "off", device=None, dtype=None):
         super().__init__()
+        if cp_comm not in CP_COMMS:
+            raise ValueError(f"cp_comm={cp_comm!r} must be one of {CP_COMMS}")
+        check_fp8_recipe(fp8)
+        self.cp_group, self.cp_comm, self.fp8 = resolve_cp_group(cp_group), cp_comm, fp8
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         self.process_group = resolve_tp_group(process_group)
         tp = group_size(self.process_group)
@@ -133,7 +144,7 @@ class ParallelAttention(nn.Module):
         self.v_proj = KVLinear(hidden, n_kv_head, self.head_dim, bias=qkv_bias, **kw)
         self.o_proj = RowParallelLinear(inner, hidden, bias=bias, sequence_parallel=sequence_parallel,
                                         process_group=sublayer_group(self.process_group), init_method=out_init_method,
-                                        device=device, dtype=dtype)
+                                        fp8=fp8, device=device, dtype=dtype)
         self.q_norm = self.k_norm = None
         if qk_norm:
             norm_kw = dict(eps=norm_eps, process_group=sublayer_group(self.process_group), device=device, dtype=dtype)
@@ -144,7 +155,10 @@ class ParallelAttention(nn.Module):
 
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
         """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once).
-        (q_norm/k_norm weights are not cast: the norm kernel reads them in fp32, like the block norms'.)"""
+        (q_norm/k_norm weights are not cast: the norm kernel reads them in fp32, like the block norms'.)
+        None under fp8: its GEMMs cast the weights to fp8 themselves."""
+        if self.fp8 != "off":
+            return []
         groups = [(self.o_proj.weight,), (self.o_proj.bias,)]
         if not self.k_proj.replicated:  # replicated k/v multiply one head's rows of their weight
             projections = (self.q_proj, self.k_proj, self.v_proj)
@@ -155,7 +169,7 @@ class ParallelAttention(nn.Module):
         """x -> q, k, v as [seq, batch, heads, head_dim] (q/k normalised per head with qk_norm)."""
         (k_w, k_b), (v_w, v_b) = self.k_proj.local_weight_and_bias(), self.v_proj.local_weight_and_bias()
         q, k, v = column_parallel_linears(x, [self.q_proj.weight, k_w, v_w], [self.q_proj.bias, k_b, v_b],
-                                          self.process_group, self.sequence_parallel)  # [seq, b, heads*hd]
+                                          self.process_group, self.sequence_parallel, fp8=self.fp8)  # [seq, b, heads*hd]
         seq, batch = q.shape[0], q.shape[1]
         q = q.view(seq, batch, self.local_heads, self.head_dim)
         k = k.view(seq, batch, self.local_kv_heads, self.head_dim)
@@ -170,10 +184,13 @@ class ParallelAttention(nn.Module):
         position_ids [batch, seq] int64, each token's position (rotary angles; default 0..seq-1);
         cu_seqlens int32 [n_docs + 1], document offsets in the batch-major flattening of [batch, seq]
         (no token attends across one); max_seqlen the longest document (also the rotary length of
-        dynamic/longrope scaling; default seq)."""
+        dynamic/longrope scaling; default seq). Under context parallelism: this rank's tokens' global
+        positions (default: the zigzag layout's) and max_seqlen the whole sequence's length."""
         q, k, v = self._project(x)
         seq, batch = q.shape[0], q.shape[1]
-        if position_ids is None and cu_seqlens is None:  # [seq, b, h, hd] -> [b, seq, h, hd] views, no copy
+        if self.cp_group is not None:
+            out = self._context_parallel_attention(q, k, v, position_ids, cu_seqlens, max_seqlen)
+        elif position_ids is None and cu_seqlens is None:  # [seq, b, h, hd] -> [b, seq, h, hd] views, no copy
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
             if self.rotary is not None:
                 q, k = self.rotary(q, k)
@@ -187,17 +204,37 @@ class ParallelAttention(nn.Module):
         out = out.reshape(seq, batch, self.local_heads * self.head_dim).contiguous()
         return self.o_proj(out)  # [seq(/tp), b, hidden]
 
+    def _rotate(self, q, k, position_ids, rotary_len):
+        """q/k [seq, b, heads, hd] rotated at position_ids [b, seq] (rotary tables for `rotary_len`)."""
+        if self.rotary is None:
+            return q, k
+        seq, batch = q.shape[0], q.shape[1]
+        tokens = position_ids.t().reshape(-1)  # the [seq, b] token order of q and k
+        q, k = self.rotary(q.reshape(seq * batch, *q.shape[2:]), k.reshape(seq * batch, *k.shape[2:]),
+                           tokens, rotary_len)
+        return q.reshape(seq, batch, *q.shape[1:]), k.reshape(seq, batch, *k.shape[1:])
+
+    def _context_parallel_attention(self, q, k, v, position_ids, cu_seqlens, max_seqlen) -> torch.Tensor:
+        """This cp rank's q/k/v [seq/cp, b, heads, hd] -> out [seq/cp, b, heads, hd] over the whole sequence."""
+        cp = self.cp_group.size()
+        if cu_seqlens is not None:
+            raise ValueError(f"packed documents (cu_seqlens) are not supported under context parallelism "
+                             f"(cp={cp}): train on unpacked rows, or at cp=1")
+        seq, batch = q.shape[0], q.shape[1]
+        if position_ids is None:
+            position_ids = zigzag_positions(seq * cp, self.cp_group.rank(), cp, q.device).expand(batch, seq)
+        q, k = self._rotate(q, k, position_ids, max_seqlen or seq * cp)
+        out = context_parallel_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.cp_group,
+                                         causal=True, softmax_scale=self.softmax_scale, cp_comm=self.cp_comm)
+        return out.transpose(0, 1)
+
     def _packed_attention(self, q, k, v, position_ids, cu_seqlens, max_seqlen) -> torch.Tensor:
         """q/k/v [seq, b, heads, hd] -> out [seq, b, heads, hd], rotary at position_ids, attention kept
         within the documents of cu_seqlens (causal over each row without it)."""
         seq, batch = q.shape[0], q.shape[1]
-        if self.rotary is not None:
-            if position_ids is None:
-                position_ids = torch.arange(seq, device=q.device).expand(batch, seq)
-            tokens = position_ids.t().reshape(-1)  # the [seq, b] token order of q and k
-            q, k = self.rotary(q.reshape(seq * batch, *q.shape[2:]), k.reshape(seq * batch, *k.shape[2:]),
-                               tokens, max_seqlen or seq)
-            q, k = q.reshape(seq, batch, *q.shape[1:]), k.reshape(seq, batch, *k.shape[1:])
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=q.device).expand(batch, seq)
+        q, k = self._rotate(q, k, position_ids, max_seqlen or seq)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [b, seq, h, hd]
         if cu_seqlens is None:
             return kernels.flash_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale).transpose(0, 1)
@@ -209,4 +246,5 @@ class ParallelAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, n_head={self.n_head}, n_kv_head={self.n_kv_head}, "
                 f"head_dim={self.head_dim}, tp={group_size(self.process_group)}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}"
+                + (f", cp={self.cp_group.size()}, cp_comm={self.cp_comm}" if self.cp_group is not None else ""))

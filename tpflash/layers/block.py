@@ -40,7 +40,8 @@ class ParallelTransformerBlock(nn.Module):
     [seq/tp, batch, hidden] with sequence_parallel.
     checkpoint: None, "full" (recompute the whole block in backward) or "mlp" (recompute the MLP
     only, whose [seq, batch, ffn/tp] activations are the block's largest).
-    Attention options (head_dim, qkv_bias, qk_norm, rope_scaling, max_positions) are ParallelAttention's;
+    Attention options (head_dim, qkv_bias, qk_norm, rope_scaling, max_positions, and context parallelism's
+    cp_group and cp_comm) are ParallelAttention's; fp8 (the projections' GEMMs) goes to attention and MLP;
     forward's keyword arguments (position_ids, cu_seqlens, max_seqlen: packed documents) go to it.
     Dropout (residual branches) draws from `rng_tracker`: the "sharded" stream under SP, the
     "replicated" one otherwise (tpflash.parallel.random). Parameters: attn_norm, attn, mlp_norm, mlp.
@@ -53,7 +54,8 @@ class ParallelTransformerBlock(nn.Module):
                  rng_tracker: Optional[RNGTracker] = None, init_method: Optional[InitMethod] = None,
                  out_init_method: Optional[InitMethod] = None, head_dim: Optional[int] = None,
                  qkv_bias: Optional[bool] = None, qk_norm: bool = False, rope_scaling: Optional[Dict[str, Any]] = None,
-                 max_positions: int = 2048, device=None, dtype=None):
+                 max_positions: int = 2048, cp_group=None, cp_comm: str = "ring", fp8: str = "off", device=None,
+                 dtype=None):
         super().__init__()
         if checkpoint not in CHECKPOINTING:
             raise ValueError(f"checkpoint={checkpoint!r} must be one of {CHECKPOINTING}")
@@ -66,11 +68,12 @@ class ParallelTransformerBlock(nn.Module):
         norm_kw = dict(kind=norm, eps=norm_eps, bias=bias and norm == "layernorm", sequence_parallel=sequence_parallel,
                        process_group=sublayer_group(self.process_group), autocast_output=True, device=device, dtype=dtype)
         layer_kw = dict(bias=bias, sequence_parallel=sequence_parallel, process_group=sublayer_group(self.process_group),
-                        init_method=init_method, out_init_method=out_init_method, device=device, dtype=dtype)
+                        init_method=init_method, out_init_method=out_init_method, fp8=fp8, device=device, dtype=dtype)
         self.attn_norm = ParallelNorm(hidden, **norm_kw)
         self.attn = ParallelAttention(hidden, n_head, n_kv_head, position=position, rope_theta=rope_theta,
                                       head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_eps=norm_eps,
-                                      rope_scaling=rope_scaling, max_positions=max_positions, **layer_kw)
+                                      rope_scaling=rope_scaling, max_positions=max_positions, cp_group=cp_group,
+                                      cp_comm=cp_comm, **layer_kw)
         self.mlp_norm = ParallelNorm(hidden, **norm_kw)
         self.mlp = ParallelMLP(hidden, ffn_hidden, mlp=mlp, **layer_kw)
 

@@ -34,6 +34,7 @@ from ..parallel import comm, overlap as _overlap
 from ..parallel.sharding import ShardSpec, take_shards
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 from .autocast_linear import add_bias, linear, linears
+from .fp8_linear import check_fp8_recipe, fp8_linears
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -85,18 +86,22 @@ def _pipelined(layer: nn.Module) -> bool:
 def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
                             biases: Sequence[Optional[torch.Tensor]], group, sequence_parallel: bool,
                             overlap: Optional[bool] = None, seq_dim: int = 0,
-                            save_gathered_input: Optional[bool] = None) -> List[torch.Tensor]:
+                            save_gathered_input: Optional[bool] = None, fp8: str = "off") -> List[torch.Tensor]:
     """[F.linear(x_full, W_i, b_i)] for column-parallel weights W_i [out_i/tp, in] sharing one input.
 
     One input collective serves them all (q/k/v, up/gate): under SP x [seq/tp, b, in] is
     all-gathered along `seq_dim` (overlapped with the GEMMs when overlap is on: `_overlapped`,
     tpflash.parallel.overlap) and its gradient reduce-scattered; otherwise x is replicated and
     its gradient all-reduced. Returns [seq, b, out_i/tp] per weight. Process group: `group`.
+    fp8 "rowwise" / "tensorwise": the GEMMs in fp8 (tpflash.layers.fp8_linear); under SP the input is
+    cast first and gathered in fp8 (no overlap pipelining).
     """
-    if _overlapped(sequence_parallel, seq_dim, group, overlap):
+    if fp8 != "off" and sequence_parallel and group_size(group) > 1:
+        return fp8_linears(x, weights, biases, fp8, group, seq_dim)
+    if fp8 == "off" and _overlapped(sequence_parallel, seq_dim, group, overlap):
         return _overlap.all_gather_linear(x, weights, biases, group, save_gathered_input)
     x = column_parallel_input(x, group, sequence_parallel, seq_dim)  # [seq, *, in]
-    return linears(x, weights, biases)  # one GEMM over the stacked weights
+    return linears(x, weights, biases, fp8)  # one GEMM over the stacked weights
 
 
 def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool, seq_dim: int = 0) -> torch.Tensor:
@@ -122,14 +127,17 @@ class ColumnParallelLinear(nn.Module):
     state's tp group, else none (tp=1, a plain nn.Linear). overlap: True/False, or None (default)
     for the process's or capture's setting (module docstring). save_gathered_input (overlapped
     path only): keep the all-gathered input for the backward (True), or gather it again there
-    (False, None; tpflash.parallel.overlap.all_gather_linear).
+    (False, None; tpflash.parallel.overlap.all_gather_linear). fp8: "off", or "rowwise" /
+    "tensorwise" for fp8 GEMMs (tpflash.layers.fp8_linear; no overlap pipelining).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, process_group=None, *, init_method: Optional[InitMethod] = None,
                  seq_dim: int = 0, overlap: Optional[bool] = None, save_gathered_input: Optional[bool] = None,
-                 device=None, dtype=None):
+                 fp8: str = "off", device=None, dtype=None):
         super().__init__()
+        check_fp8_recipe(fp8)
+        self.fp8 = fp8
         self.process_group = resolve_tp_group(process_group)
         tp, rank = group_size(self.process_group), group_rank(self.process_group)
         self.in_features, self.out_features = in_features, out_features
@@ -159,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, = column_parallel_linears(x, [self.weight], [self.bias], self.process_group, self.sequence_parallel,
-                                     self.overlap, self.seq_dim, self.save_gathered_input)  # [*, out/tp]
+                                     self.overlap, self.seq_dim, self.save_gathered_input, self.fp8)  # [*, out/tp]
         if self.gather_output:
             y = comm.gather_along_dim(y, -1, self.process_group)
             if self.padded:  # the padding is at the end of the gathered features; its gradient is zero
@@ -171,7 +179,8 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"tp={group_size(self.process_group)}, "
-                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")
+                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
+                + (f", fp8={self.fp8}" if self.fp8 != "off" else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -181,13 +190,16 @@ class RowParallelLinear(nn.Module):
     features past the rank's real ones are padding and ignored) or [*, in_features] replicated
     (padded to a multiple of tp and split here). Output: [*, out_features] summed over tp, or, with
     sequence_parallel, reduce-scattered along `seq_dim` to [seq/tp, *, out_features].
-    The bias is replicated and added after the reduction (at tp=1, inside the GEMM).
+    The bias is replicated and added after the reduction (at tp=1, inside the GEMM). fp8: as
+    ColumnParallelLinear's.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, process_group=None, *, init_method: Optional[InitMethod] = None,
-                 seq_dim: int = 0, overlap: Optional[bool] = None, device=None, dtype=None):
+                 seq_dim: int = 0, overlap: Optional[bool] = None, fp8: str = "off", device=None, dtype=None):
         super().__init__()
+        check_fp8_recipe(fp8)
+        self.fp8 = fp8
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input must already be "
                              "split over features)")
@@ -221,11 +233,11 @@ class RowParallelLinear(nn.Module):
             x = comm.split_along_dim(x, -1, self.process_group)
         elif self.local_padding:
             x = _zero_padding(x, self.local_real)  # e.g. act(0) != 0 from a padded column layer
-        if _pipelined(self):  # each peer's rows computed and sent while the next are computed
+        if self.fp8 == "off" and _pipelined(self):  # each peer's rows computed and sent while the next are computed
             return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp())
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue
-            return linear(x, self.weight, self.bias)
-        return self.reduce_partial_sum(linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.fp8)
+        return self.reduce_partial_sum(linear(x, self.weight, fp8=self.fp8))
 
     def reduce_partial_sum(self, y: torch.Tensor) -> torch.Tensor:
         """This layer's output from the rank's partial product y = x_local W_local^T [*, out]: summed over
@@ -255,4 +267,5 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"tp={group_size(self.process_group)}, "
-                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")
+                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
+                + (f", fp8={self.fp8}" if self.fp8 != "off" else ""))

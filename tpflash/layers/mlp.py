@@ -10,6 +10,7 @@ from .. import kernels
 from ..parallel.state import group_size, resolve_tp_group, sublayer_group
 from ..kernels.fused_dense import fused_dense_gelu_dense
 from ..kernels.reference import ACTIVATION_FUNCTIONS
+from .fp8_linear import check_fp8_recipe
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears
 
 ACTIVATIONS = ACTIVATION_FUNCTIONS  # the non-gated MLP's: "gelu" (tanh, GPT-2's), "gelu_exact", "relu"
@@ -31,13 +32,18 @@ class ParallelMLP(nn.Module):
     epilogues where it is built, the same composition otherwise), without overlap pipelining.
     Off by default: on an H100 it measured slower than the unfused GEMMs at every MLP shape of
     gpt-1.3b/2.7b, tp 1/2/4 (docs/performance.md, "Fused dense").
+    fp8 "rowwise" / "tensorwise": the up/gate and down GEMMs in fp8 (tpflash.layers.fp8_linear, docs/fp8.md).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, mlp: str = "gelu", bias: bool = True,
                  sequence_parallel: bool = False, process_group=None, *,
                  init_method: Optional[InitMethod] = None, out_init_method: Optional[InitMethod] = None,
-                 fused_dense: bool = False, device=None, dtype=None):
+                 fused_dense: bool = False, fp8: str = "off", device=None, dtype=None):
         super().__init__()
+        check_fp8_recipe(fp8)
+        if fused_dense and fp8 != "off":
+            raise ValueError(f"fused_dense=True runs its own bf16 GEMMs: it cannot be combined with fp8={fp8!r}")
+        self.fp8 = fp8
         if mlp not in MLPS:
             raise ValueError(f"mlp={mlp!r} must be one of {MLPS}")
         if fused_dense and mlp != "gelu":
@@ -48,17 +54,18 @@ class ParallelMLP(nn.Module):
         if ffn_hidden % tp:
             raise ValueError(f"ffn_hidden={ffn_hidden} is not divisible by tp={tp}")
         self.mlp, self.sequence_parallel = mlp, sequence_parallel
-        kw = dict(process_group=sublayer_group(self.process_group), init_method=init_method, device=device, dtype=dtype)
+        kw = dict(process_group=sublayer_group(self.process_group), init_method=init_method, fp8=fp8, device=device,
+                  dtype=dtype)
         self.up_proj = ColumnParallelLinear(hidden, ffn_hidden, bias=bias, **kw)
         self.gate_proj = ColumnParallelLinear(hidden, ffn_hidden, bias=bias, **kw) if mlp == "swiglu" else None
         self.down_proj = RowParallelLinear(ffn_hidden, hidden, bias=bias, sequence_parallel=sequence_parallel,
                                            process_group=sublayer_group(self.process_group), init_method=out_init_method,
-                                           device=device, dtype=dtype)
+                                           fp8=fp8, device=device, dtype=dtype)
 
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
         """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once):
         none on the fused-dense path, which casts its own; the activation kernel takes up_proj's bias as is."""
-        if self.fused_dense:
+        if self.fused_dense or self.fp8 != "off":  # fp8: its GEMMs cast the weights themselves
             return []
         groups = [(self.down_proj.weight,), (self.down_proj.bias,)]
         if self.gate_proj is None:
@@ -75,17 +82,17 @@ class ParallelMLP(nn.Module):
         if self.gate_proj is None:
             up_bias = self.up_proj.bias
             y = column_parallel_linears(x, [self.up_proj.weight], [None], self.process_group,
-                                        self.sequence_parallel)[0]  # [seq, b, ffn/tp], bias not yet added
+                                        self.sequence_parallel, fp8=self.fp8)[0]  # [seq, b, ffn/tp], bias not yet added
             # the bias added by the activation's kernel, whose backward sums its gradient while writing dy
             h = ACTIVATIONS[self.mlp](y) if up_bias is None else kernels.bias_activation(y, up_bias, self.mlp)
         else:
             projections = [self.up_proj, self.gate_proj]
             up, gate = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
-                                               self.process_group, self.sequence_parallel)  # [seq, b, ffn/tp] each
+                                               self.process_group, self.sequence_parallel, fp8=self.fp8)  # [seq, b, ffn/tp] each
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
             h = kernels.swiglu(up, gate)
         return self.down_proj(h)  # [seq(/tp), b, hidden]
 
     def extra_repr(self) -> str:
         return (f"mlp={self.mlp}, tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}"
-                + (", fused_dense=True" if self.fused_dense else ""))
+                + (", fused_dense=True" if self.fused_dense else "") + (f", fp8={self.fp8}" if self.fp8 != "off" else ""))

@@ -194,8 +194,10 @@ class RotaryEmbedding(nn.Module):
         else:
             # Packed batches change their longest document every step; a table per length would be
             # rebuilt (and copied to the device) in every layer every step where the angles do not
-            # depend on the length: there, one table of the tokens' count serves every batch.
-            cos, sin = self.tables(length if self.length_dependent and length else q.shape[0], q.device)
+            # depend on the length: there, one table of the tokens' count serves every batch (or of
+            # `length`, where positions run past the token count: a context-parallel rank's tokens).
+            rows = length if self.length_dependent and length else max(q.shape[0], length or 0)
+            cos, sin = self.tables(rows, q.device)
             cos, sin = cos[position_ids], sin[position_ids]  # [tokens, head_dim/2]
         return kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)
 

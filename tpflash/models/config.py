@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Union
 
 from ..layers.attention import check_heads
 from ..layers.block import CHECKPOINTING
+from ..layers.fp8_linear import check_fp8_recipe
 from ..layers.mlp import MLPS
 from ..layers.norm import NORMS
 from ..layers.rotary import check_rope_scaling
@@ -47,6 +48,9 @@ class GPTConfig:
     (token-chunked; the full logits never exist), else logits + vocab_parallel_cross_entropy.
     init_std: std of the normal init (residual output projections get init_std/sqrt(2*n_layer)).
     seed: seeds the model's dropout RNG tracker (tpflash.parallel.random).
+    fp8: "off", "rowwise" or "tensorwise": the attention and MLP projections' GEMMs in fp8
+    (tpflash.layers.fp8_linear; the embedding and the head stay in the compute dtype). No state:
+    a checkpoint resumes with fp8 changed.
 
     Llama-family variants (tpflash.models.hf_config maps Hugging Face configs onto these):
     head_dim: per-head width, None meaning n_embd // n_head (`head_size` is the resolved value);
@@ -83,6 +87,7 @@ class GPTConfig:
     qk_norm: bool = False
     rope_scaling: Optional[Dict[str, Any]] = None
     sliding_window: Optional[int] = None
+    fp8: str = "off"
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -116,6 +121,7 @@ class GPTConfig:
             check_rope_scaling(self.rope_scaling, self.head_size)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        check_fp8_recipe(self.fp8)
         self.checkpoint_mode  # validates activation_checkpointing
 
     @property

@@ -45,6 +45,9 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
         raise ValueError(f"temperature={temperature} must be >= 0")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1")
+    if getattr(model, "cp_group", None) is not None:
+        raise ValueError(f"generate runs without context parallelism (the model has cp={model.cp}): build the "
+                         "model for sampling with cp_group=tpflash.parallel.NO_GROUP")
     group = model.process_group
     src = None if group is None else dist.get_global_rank(group, 0)
     window = model.config.block_size

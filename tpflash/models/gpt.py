@@ -16,10 +16,13 @@ import torch.nn as nn
 from .. import losses
 from ..layers import ParallelNorm, ParallelTransformerBlock, VocabParallelEmbedding
 from ..layers.linear import column_parallel_linears
-from ..parallel import comm
+from ..parallel import comm, context_parallel
+from ..parallel.context_attention import CP_COMMS
 from ..parallel.random import RNGTracker
 from ..parallel.sharding import iter_sharded
-from ..parallel.state import NO_GROUP, get_default_state, group_rank, group_size, resolve_tp_group, sublayer_group
+from ..parallel.state import (NO_GROUP, get_default_state, group_rank, group_size, resolve_cp_group, resolve_tp_group,
+                              sublayer_group)
+from ..parallel.zigzag import zigzag_shard
 from .config import GPTConfig
 from .generate import generate
 from .packing import packing_kwargs
@@ -37,6 +40,13 @@ class GPT(nn.Module):
     reduction="sum" the sum of the counted tokens' losses. Packed documents: see `forward`.
     idx/targets: [batch, seq] int64, replicated over tp; seq <= block_size, and under sequence
     parallelism seq % tp == 0. Process group: `process_group`, else the default tp group, else none.
+    Context parallelism (`cp_group`, else the default state's cp group when its cp > 1; NO_GROUP for
+    none): idx/targets are the whole sequences, replicated over cp as over tp; each cp rank runs the
+    model on its seq/cp tokens (zigzag layout, tpflash.parallel.zigzag; seq % (2*cp) == 0), attention
+    over the whole sequence (`cp_comm` "ring" or "allgather", tpflash.parallel.context_attention).
+    The loss is the whole batch's on every cp rank; its backward leaves on each rank cp times its
+    tokens' share of the gradient, so that averaging over the dp x cp ranks (FSDP, DDP) is exact
+    (tpflash.parallel.context_parallel). Logits are this cp rank's tokens', [batch, seq/cp, V'/tp].
     Parameters (keys of full_state_dict, equal to the tp=1 model's): tok_embeddings.weight,
     pos_embeddings.weight (learned positions), blocks.{i}.(attn_norm|attn|mlp_norm|mlp).*,
     final_norm.*, lm_head.weight (untied only).
@@ -44,16 +54,22 @@ class GPT(nn.Module):
 
     block_class = ParallelTransformerBlock
 
-    def __init__(self, config: GPTConfig, process_group=None, device=None, dtype=None):
+    def __init__(self, config: GPTConfig, process_group=None, device=None, dtype=None, *, cp_group=None,
+                 cp_comm: str = "ring"):
         super().__init__()
+        if cp_comm not in CP_COMMS:
+            raise ValueError(f"cp_comm={cp_comm!r} must be one of {CP_COMMS}")
         self.config = config
         self.process_group = resolve_tp_group(process_group)
+        self.cp_group = resolve_cp_group(cp_group)
         layer_group = sublayer_group(self.process_group)
         tp, rank = group_size(self.process_group), group_rank(self.process_group)
         config.check_tp(tp)  # before anything could communicate
         self.sequence_parallel = config.sequence_parallel
         state = get_default_state()
         dp_rank = state.dp_rank if state is not None and state.tp_group is self.process_group else 0
+        if self.cp_group is not None:  # cp ranks hold different tokens: their dropout masks must differ too
+            dp_rank = dp_rank * self.cp + self.cp_group.rank()
         self.rng_tracker = RNGTracker(config.seed, tp_rank=rank, dp_rank=dp_rank)
         init, out_init = _normal(config.init_std), _normal(config.init_std / math.sqrt(2 * config.n_layer))
         kw = dict(device=device, dtype=dtype)
@@ -71,7 +87,8 @@ class GPT(nn.Module):
                                      checkpoint=config.checkpoint_mode, rng_tracker=self.rng_tracker,
                                      init_method=init, out_init_method=out_init, head_dim=config.head_size,
                                      qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
-                                     rope_scaling=config.rope_scaling, max_positions=config.block_size, **kw)
+                                     rope_scaling=config.rope_scaling, max_positions=config.block_size,
+                                     cp_group=sublayer_group(self.cp_group), cp_comm=cp_comm, fp8=config.fp8, **kw)
             for _ in range(config.n_layer))
         self.final_norm = ParallelNorm(config.n_embd, config.norm, config.norm_eps,
                                        bias=config.bias and config.norm == "layernorm",
@@ -90,6 +107,11 @@ class GPT(nn.Module):
         return group_size(self.process_group)
 
     @property
+    def cp(self) -> int:
+        """The size of the model's cp group (1 without one)."""
+        return group_size(self.cp_group)
+
+    @property
     def head_weight(self) -> torch.Tensor:
         """This rank's rows of the output projection, [V'/tp, hidden]."""
         return (self.tok_embeddings if self.lm_head is None else self.lm_head).weight
@@ -103,6 +125,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds block_size={self.config.block_size}")
         if self.sequence_parallel and seq % self.tp:
             raise ValueError(f"sequence length {seq} is not divisible by tp={self.tp} (sequence parallelism)")
+        if self.cp_group is not None:
+            context_parallel.check_cp_batch(seq, self.cp, self.tp, self.sequence_parallel)
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}")
 
@@ -126,15 +150,30 @@ class GPT(nn.Module):
 
     def hidden_states(self, idx: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
                       cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
-        """The final-norm output, [seq, batch, hidden] ([seq/tp, batch, hidden] under SP). Packed
-        documents as in `forward`."""
-        packing = packing_kwargs(idx, position_ids, cu_seqlens, max_seqlen)  # {} for an unpacked batch
-        x, residual = self.embed(idx, packing.get("position_ids")), None
-        if not packing and self._graphed_blocks is not None and self._graphed_blocks.matches(x):
+        """The final-norm output, [seq, batch, hidden] ([seq/tp, batch, hidden] under SP; under cp, this cp
+        rank's seq/cp tokens). Packed documents as in `forward`."""
+        return self._hidden_states(*self._local_inputs(idx, position_ids, cu_seqlens, max_seqlen))
+
+    def _local_inputs(self, idx, position_ids, cu_seqlens, max_seqlen):
+        """(the ids this rank runs, the blocks' keyword arguments): the packed-document arguments checked
+        and completed ({} for an unpacked batch); under cp, this cp rank's tokens and their global positions."""
+        packing = packing_kwargs(idx, position_ids, cu_seqlens, max_seqlen)
+        if self.cp_group is None:
+            return idx, packing
+        if cu_seqlens is not None:
+            raise ValueError(f"packed documents (cu_seqlens) are not supported under context parallelism "
+                             f"(cp={self.cp}): train on unpacked rows, or at cp=1")
+        seq = idx.shape[1]
+        idx, _, positions = context_parallel.shard_batch(idx, None, packing.get("position_ids"), self.cp_group)
+        return idx, dict(position_ids=positions, max_seqlen=seq)  # max_seqlen: the rotary tables' length
+
+    def _hidden_states(self, idx: torch.Tensor, block_kw: Dict) -> torch.Tensor:
+        x, residual = self.embed(idx, block_kw.get("position_ids")), None
+        if not block_kw and self._graphed_blocks is not None and self._graphed_blocks.matches(x):
             x, residual = self._graphed_blocks(x)  # captured for unpacked batches only
         else:
             for block in self.blocks:
-                x, residual = block(x, residual, **packing)
+                x, residual = block(x, residual, **block_kw)
         return self.final_norm(x, residual=residual)[0]
 
     def capture_cuda_graphs(self, batch_size: int, seq_len: int) -> None:
@@ -149,6 +188,9 @@ class GPT(nn.Module):
         docs/overlap.md). Run one backward per forward. On CPU the replay is an eager stand-in (tests). Call again to recapture; `release_cuda_graphs()` frees them.
         """
         from ..layers.graphed_blocks import GraphedBlocks, check_graphable
+        if self.cp_group is not None:
+            raise ValueError(f"CUDA graphs are not captured under context parallelism (cp={self.cp}): "
+                             "its ring sends and receives run eagerly")
         check_graphable(self.blocks)  # before any collective
         idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device=self.head_weight.device)
         self._check_input(idx, None)
@@ -207,9 +249,13 @@ class GPT(nn.Module):
         self._check_input(idx, targets)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
-        packing = packing_kwargs(idx, position_ids, cu_seqlens, max_seqlen)
-        self._check_window(idx.shape[1], packing)
-        h = self.hidden_states(idx, **packing)
+        local_idx, block_kw = self._local_inputs(idx, position_ids, cu_seqlens, max_seqlen)
+        self._check_window(idx.shape[1], block_kw)
+        h = self._hidden_states(local_idx, block_kw)
+        if targets is not None and self.cp_group is not None:  # this rank's tokens' losses, combined over cp
+            targets = zigzag_shard(targets, 1, self.cp_group.rank(), self.cp)
+            counted = None if reduction == "sum" else (targets != -100).sum()
+            return context_parallel.combine_loss(self._loss(h, targets, "sum"), counted, self.cp_group)
         if targets is not None:
             return self._loss(h, targets, reduction)
         return self._mask_padding(self._logits(h)).transpose(0, 1)  # [batch, seq, V'/tp]

@@ -1,9 +1,11 @@
-"""FSDP2 (`fully_shard`) over the data-parallel mesh dimension, composed with tensor parallelism.
+"""FSDP2 (`fully_shard`) over the data- and context-parallel ranks, composed with tensor parallelism.
 
 tp parameters are plain local tensors (each tp rank's shard, see sharding.py), so sharding a
-module over `ps.dp_mesh` splits every tp rank's *local* tensors across its dp peers (the ranks
-with the same tp rank): 2-D (dp x tp) sharding with no DTensor on the tp side. Inside a
-forward FSDP hands the layers plain unsharded local tensors again, so tpflash's explicit tp
+module over `ps.dp_cp_mesh` splits every tp rank's *local* tensors across its dp * cp peers (the
+ranks with the same tp rank): 2-D ((dp x cp) x tp) sharding with no DTensor on the tp side. cp
+ranks hold the same parameters as dp peers do, so they shard them too: a long-context job at
+dp=1 does not keep a whole copy per cp rank. At cp=1 the mesh is `ps.dp_mesh`. Inside a forward
+FSDP hands the layers plain unsharded local tensors again, so tpflash's explicit tp (and cp)
 collectives run unchanged.
 
 Wrapping: each transformer block becomes one FSDP unit (one all-gather / reduce-scatter), then
@@ -81,10 +83,14 @@ def hsdp_mesh(ps: ParallelState, replicas: int) -> DeviceMesh:
     """A 2-D ("dp_replicate", "dp_shard") mesh: parameters replicated over `replicas` groups, sharded within.
 
     Collective (creates process groups): call on every rank. Ranks keep ps's order, so
-    dp rank d = replica * (dp / replicas) + shard; put replicas across nodes.
+    dp rank d = replica * (dp / replicas) + shard; put replicas across nodes. cp=1 only: with
+    context parallelism ValueError (before any group is made).
     """
     if replicas < 1 or ps.dp_size % replicas != 0:
         raise ValueError(f"hsdp_replicas={replicas} must be >= 1 and divide dp={ps.dp_size}")
+    if replicas > 1 and ps.cp_size > 1:
+        raise ValueError(f"hsdp_replicas={replicas} with cp={ps.cp_size} is not supported: use hsdp_replicas=1 "
+                         "(FSDP over the dp * cp ranks) or cp=1")
     mesh = init_device_mesh(ps.device.type, (replicas, ps.dp_size // replicas, ps.tp_size),
                             mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     return mesh["dp_replicate", "dp_shard"]
@@ -96,16 +102,16 @@ def apply_fsdp(model: nn.Module, ps: Optional[ParallelState] = None, *,
                block_classes: Union[Type[nn.Module], Sequence[Type[nn.Module]], None] = None,
                auto_wrap_policy: Optional[WrapPolicy] = None, hsdp_replicas: int = 1,
                mesh: Optional[DeviceMesh] = None) -> nn.Module:
-    """Shard `model` with FSDP2 `fully_shard` over the dp dimension of `ps` (default: the state from `init`).
+    """Shard `model` with FSDP2 `fully_shard` over the dp * cp ranks of `ps` (default: the state from `init`).
 
     Every unit chosen by `select_units` (transformer blocks by default) is sharded, then the root.
-    Each tp rank's local parameter shards are split (dim 0) over its dp group; gradients are
-    reduce-scattered (averaged) over dp in `reduce_dtype`. `param_dtype` is the compute dtype
-    of the all-gathered parameters ("auto": bf16 on CUDA, the parameters' own dtype on CPU;
-    None: never cast); the sharded master parameters keep their dtype. `cpu_offload` keeps
-    sharded parameters, gradients and optimizer state in (pinned) host memory; it is a no-op
-    on CPU. `hsdp_replicas` > 1 gives HSDP (see `hsdp_mesh`); `mesh` overrides the dp mesh
-    (1-D: FSDP, 2-D (replicate, shard): HSDP). Modifies `model` in place and returns it.
+    Each tp rank's local parameter shards are split (dim 0) over `ps.dp_cp_mesh` (its dp group at
+    cp=1); gradients are reduce-scattered (averaged) over those dp * cp ranks in `reduce_dtype`.
+    `param_dtype` is the compute dtype of the all-gathered parameters ("auto": bf16 on CUDA, the
+    parameters' own dtype on CPU; None: never cast); the sharded master parameters keep their
+    dtype. `cpu_offload` keeps sharded parameters, gradients and optimizer state in (pinned) host
+    memory; it is a no-op on CPU. `hsdp_replicas` > 1 gives HSDP (see `hsdp_mesh`; not with
+    cp > 1); `mesh` overrides the dp * cp mesh (1-D: FSDP, 2-D (replicate, shard): HSDP). Modifies `model` in place and returns it.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -117,7 +123,7 @@ def apply_fsdp(model: nn.Module, ps: Optional[ParallelState] = None, *,
     if param_dtype == _AUTO:
         param_dtype = torch.bfloat16 if ps.device.type == "cuda" else None
     if mesh is None:
-        mesh = hsdp_mesh(ps, hsdp_replicas) if hsdp_replicas != 1 else ps.dp_mesh
+        mesh = hsdp_mesh(ps, hsdp_replicas) if hsdp_replicas != 1 else ps.dp_cp_mesh
     offload = CPUOffloadPolicy(pin_memory=True) if cpu_offload and ps.device.type == "cuda" else OffloadPolicy()
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload,
                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))

@@ -11,10 +11,12 @@ it rather than a reducer of its own. The price is memory: the buckets stay alloc
 steps (docs/performance.md, "FSDP against replication").
 
 It composes with tensor parallelism because tp parameters are plain local tensors: DDP over
-`ps.dp_group` averages each tp shard with the same shard of its dp peers, and the tp
-collectives inside the model run on their own group. With CUDA-graphed blocks the blocks'
-gradients arrive together, when the graphed backward returns, and DDP's buckets are reduced
-from there: no overlap with the blocks' backward, only with the embedding's.
+`ps.dp_cp_group` averages each tp shard with the same shard of its dp * cp peers (cp ranks hold
+the same parameters, each with gradients from its own tokens, see context_parallel.py; at cp=1
+the group is `ps.dp_group`), and the tp and cp collectives inside the model run on their own
+groups. With CUDA-graphed blocks the blocks' gradients arrive together, when the graphed
+backward returns, and DDP's buckets are reduced from there: no overlap with the blocks'
+backward, only with the embedding's.
 """
 from __future__ import annotations
 
@@ -28,11 +30,11 @@ from .state import ParallelState
 
 def replicate_over_dp(model: nn.Module, ps: ParallelState,
                       bucket_cap_mb: float = 25.0) -> DistributedDataParallel:
-    """`model` wrapped in DistributedDataParallel over `ps.dp_group` (at dp=1 it works, but has nothing
-    to average: the trainer does not wrap there).
+    """`model` wrapped in DistributedDataParallel over the dp * cp ranks, `ps.dp_cp_group` (`ps.dp_group`
+    at cp=1; at dp * cp = 1 it works, but has nothing to average: the trainer does not wrap there).
 
-    Call it on every rank of the job (the constructor checks the parameters' shapes across the dp
-    group and broadcasts dp rank 0's values, collectives over `ps.dp_group`), after the model's
+    Call it on every rank of the job (the constructor checks the parameters' shapes across the group
+    and broadcasts its rank 0's values, collectives over `ps.dp_cp_group`), after the model's
     weights are loaded and its CUDA graphs captured. Run the training forward through the
     returned wrapper (other uses, evaluation, checkpoints, go to `model` itself), and wrap the
     forward and backward of every micro-batch but the last of a step in its `no_sync()`.
@@ -43,7 +45,7 @@ def replicate_over_dp(model: nn.Module, ps: ParallelState,
     # tpflash's buffers (rotary tables) are the same on every rank: no broadcast before each forward.
     # torch 2.13 renamed the switch; 2.11 (the GPU machines) knows only the old name.
     no_buffer_sync = {_BUFFER_SYNC_ARG: False}
-    return DistributedDataParallel(model, process_group=ps.dp_group, bucket_cap_mb=bucket_cap_mb,
+    return DistributedDataParallel(model, process_group=ps.dp_cp_group, bucket_cap_mb=bucket_cap_mb,
                                    gradient_as_bucket_view=True, **no_buffer_sync)
 
 

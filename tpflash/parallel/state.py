@@ -1,6 +1,6 @@
-"""Parallel state: the (dp, tp) device mesh and its process groups, built from the torchrun env.
+"""Parallel state: the (dp, cp, tp) device mesh and its process groups, built from the torchrun env.
 
-`init(tp=2)` is the one place that creates process groups. It returns a `ParallelState` and
+`init(tp=2, cp=2, dp=-1)` is the one place that creates process groups. It returns a `ParallelState` and
 also records it as the *default* state, which layers consult when they are given no
 `process_group`. That default is the only module-level state in tpflash; `set_default_state`
 replaces or clears it (tests and programs that build two models with different groups use it,
@@ -23,13 +23,15 @@ from .rendezvous import elastic_store
 
 @dataclass
 class ParallelState:
-    """The layout of one job: world = dp * tp ranks, tp innermost (tp ranks are neighbours).
+    """The layout of one job: world = dp * cp * tp ranks, tp innermost (tp ranks are neighbours), then cp.
 
-    Rank r has tp_rank = r % tp and dp_rank = r // tp, so a tp group never spans nodes when
-    tp divides the GPUs per node.
+    Rank r has tp_rank = r % tp, cp_rank = (r // tp) % cp and dp_rank = r // (tp * cp), so a tp
+    group never spans nodes when tp divides the GPUs per node. The cp ranks of one group share
+    every sequence of their batch (tpflash.parallel.context_parallel) and hold the same parameters
+    as their dp peers: FSDP and gradient averaging run over the dp * cp ranks (`dp_cp_mesh`).
     """
 
-    mesh: DeviceMesh  # 2-D, dims ("dp", "tp")
+    mesh: DeviceMesh  # 3-D, dims ("dp", "cp", "tp"); with cp > 1 also the flattened "dp_cp"
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     tp_rank: int
@@ -37,6 +39,9 @@ class ParallelState:
     dp_rank: int
     dp_size: int
     device: torch.device
+    cp_group: Optional[dist.ProcessGroup] = None  # defaults: a state without context parallelism
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -45,8 +50,35 @@ class ParallelState:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """The 1-D sub-mesh over this rank's dp group (what FSDP shards over)."""
+        """The 1-D sub-mesh over this rank's dp group (the ranks with the same tp and cp rank)."""
         return self.mesh["dp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        """The 1-D sub-mesh over this rank's cp group (the ranks sharing each sequence)."""
+        return self.mesh["cp"]
+
+    @property
+    def dp_cp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh over the dp * cp ranks with this rank's tp rank, i.e. the ranks holding the same
+        tp shard of every parameter: what FSDP shards over and DDP averages over. Its rank order is
+        dp_rank * cp + cp_rank. At cp=1 it is `dp_mesh` itself."""
+        return self.mesh["dp_cp"] if self.cp_size > 1 else self.dp_mesh
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """The process group of `dp_cp_mesh` (`dp_group` at cp=1)."""
+        return self.dp_cp_mesh.get_group() if self.cp_size > 1 else self.dp_group
+
+    @property
+    def dp_cp_size(self) -> int:
+        """dp_size * cp_size: the ranks in `dp_cp_group`."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in `dp_cp_group`: dp_rank * cp_size + cp_rank."""
+        return self.dp_rank * self.cp_size + self.cp_rank
 
     @property
     def rank(self) -> int:
@@ -55,12 +87,12 @@ class ParallelState:
 
     @property
     def world_size(self) -> int:
-        """dp_size * tp_size: every process of the job."""
-        return self.dp_size * self.tp_size
+        """dp_size * cp_size * tp_size: every process of the job."""
+        return self.dp_size * self.cp_size * self.tp_size
 
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}, dp={self.dp_rank}/{self.dp_size}, "
-                f"tp={self.tp_rank}/{self.tp_size}, device={self.device})")
+                f"cp={self.cp_rank}/{self.cp_size}, tp={self.tp_rank}/{self.tp_size}, device={self.device})")
 
 
 _default_state: Optional[ParallelState] = None
@@ -89,18 +121,22 @@ def shutdown() -> None:
     gc.collect()
 
 
-def check_layout(world_size: int, tp: int, dp: int) -> int:
-    """Validate (world, tp, dp) and return dp (resolving dp=-1). Raises ValueError naming the numbers."""
+def check_layout(world_size: int, tp: int, dp: int, cp: int = 1) -> int:
+    """Validate (world, tp, dp, cp) and return dp (resolving dp=-1). Raises ValueError naming the numbers."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r} must be an integer >= 1")
-    if world_size % tp != 0:
-        raise ValueError(f"world size {world_size} is not divisible by tp={tp}")
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp={cp!r} must be an integer >= 1")
+    cp_text = f" * cp={cp} = {tp * cp}" if cp > 1 else ""
+    if world_size % (tp * cp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by tp={tp}{cp_text}")
     if dp == -1:
-        return world_size // tp
+        return world_size // (tp * cp)
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp={dp!r} must be -1 (infer) or an integer >= 1")
-    if dp * tp != world_size:
-        raise ValueError(f"dp={dp} * tp={tp} = {dp * tp} does not equal the world size {world_size}")
+    if dp * cp * tp != world_size:
+        factors = f"dp={dp} * cp={cp} * tp={tp}" if cp > 1 else f"dp={dp} * tp={tp}"
+        raise ValueError(f"{factors} = {dp * cp * tp} does not equal the world size {world_size}")
     return dp
 
 
@@ -110,8 +146,12 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: float = 600.0,
-         agree: Optional[Dict[str, str]] = None) -> ParallelState:
-    """Initialise torch.distributed from the torchrun environment and build the (dp, tp) mesh.
+         agree: Optional[Dict[str, str]] = None, cp: int = 1) -> ParallelState:
+    """Initialise torch.distributed from the torchrun environment and build the (dp, cp, tp) mesh.
+
+    `init(tp=2, cp=2, dp=-1)`: tp ranks innermost, then cp, dp inferred from the world (see
+    ParallelState for the rank formula). With cp > 1 the dp and cp dims are also flattened into
+    the 1-D "dp_cp" mesh (ParallelState.dp_cp_mesh), once, here: flattening creates a group.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT through the env:// rendezvous, or
     torchrun's store with keys per restart attempt under `--max-restarts`: see rendezvous.py);
@@ -123,7 +163,7 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: fl
     the same ValueError naming what differs (tpflash.parallel.agreement).
     """
     world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
-    dp = check_layout(world_size, tp, dp)
+    dp = check_layout(world_size, tp, dp, cp)
     if dist.is_initialized():  # follow the group the caller made (a gloo job on a GPU machine stays on CPU)
         use_cuda = "nccl" in str(dist.get_backend())
     else:
@@ -148,13 +188,16 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: fl
                                               world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), timeout=timeout,
                                 device_id=device if use_cuda else None, **where)
-    if agree is not None:  # before the mesh: ranks asking for different (dp, tp) would build different meshes
+    if agree is not None:  # before the mesh: ranks asking for different (dp, cp, tp) would build different meshes
         check_ranks_agree(agree)
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    if cp > 1:  # a collective, so every rank makes it now rather than on first use; at cp=1 dp_mesh serves
+        mesh["dp", "cp"]._flatten("dp_cp")
     state = ParallelState(
         mesh=mesh, tp_group=mesh["tp"].get_group(), dp_group=mesh["dp"].get_group(),
         tp_rank=mesh["tp"].get_local_rank(), tp_size=tp,
-        dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, device=device)
+        dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, device=device,
+        cp_group=mesh["cp"].get_group(), cp_rank=mesh["cp"].get_local_rank(), cp_size=cp)
     set_default_state(state)
     return state
 
@@ -187,6 +230,17 @@ def resolve_tp_group(process_group) -> Optional[dist.ProcessGroup]:
         return process_group
     state = get_default_state()
     return state.tp_group if state is not None else None
+
+
+def resolve_cp_group(cp_group) -> Optional[dist.ProcessGroup]:
+    """The context-parallel group a layer works on: the one given, else the default state's cp group
+    when its cp > 1, else None (no context parallelism). NO_GROUP resolves to None."""
+    if cp_group is NO_GROUP:
+        return None
+    if cp_group is not None:
+        return cp_group
+    state = get_default_state()
+    return state.cp_group if state is not None and state.cp_size > 1 else None
 
 
 def sublayer_group(group: Optional[dist.ProcessGroup]):

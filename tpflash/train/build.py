@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -155,10 +156,10 @@ def device_memory(device: torch.device) -> int:
 def agreed_fsdp_inputs(model: nn.Module, ps) -> Tuple[int, int]:
     """(parameters a rank holds after tp, device memory in bytes) for fsdp_choice: the largest count
     and the smallest memory over all ranks (one all-reduce), so that every rank makes the same
-    choice even on mixed machines. Collective at dp > 1."""
+    choice even on mixed machines. Collective at dp * cp > 1."""
     local = sum(local_tensor(p).numel() for p in model.parameters())
     memory = device_memory(ps.device)
-    if ps.dp_size == 1:
+    if ps.dp_cp_size == 1:
         return local, memory
     both = torch.tensor([local, -memory], dtype=torch.int64, device=ps.device)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
@@ -184,6 +185,37 @@ def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[
     return False, f" (auto: {where}: replicated over dp, gradients all-reduced by DDP)"
 
 
+def check_context_parallel(cfg: TrainConfig, model_config, seq_len: int, packed: bool, model_cls) -> None:
+    """At cp > 1, raise ValueError naming the value and the rule for what context parallelism cannot
+    run; called before any process group exists, so every rank raises alike."""
+    if cfg.cp == 1:
+        return
+    if packed:
+        raise ValueError(f"cp={cfg.cp} needs unpacked rows: data.format=jsonl packs documents into rows, which "
+                         "context parallelism does not split; fine-tune at cp=1")
+    if "cp_comm" not in inspect.signature(model_cls).parameters:
+        raise ValueError(f"cp={cfg.cp}: {model_cls.__name__} does not take cp_comm= (context parallelism needs "
+                         "tpflash.models.GPT, or a model class built on ParallelAttention's cp_group)")
+    if cfg.log.sample_tokens:
+        raise ValueError(f"log.sample_tokens={cfg.log.sample_tokens} samples without context parallelism: set "
+                         f"it to 0 at cp={cfg.cp}")
+    if cfg.cuda_graphs == "on":  # use_cuda_graphs would refuse it too, but only after the groups and the model
+        raise ValueError(_cp_graphs_rule(cfg.cp))
+    from ..parallel.context_parallel import check_cp_batch
+    check_cp_batch(seq_len, cfg.cp, cfg.tp, getattr(model_config, "sequence_parallel", False))
+
+
+def _cp_graphs_rule(cp: int) -> str:
+    return (f"cuda_graphs=on is not possible with cp={cp}: the ring's sends and receives run eagerly; use "
+            "cuda_graphs=auto or off")
+
+
+def context_parallel_kwargs(cfg: TrainConfig) -> dict:
+    """The model constructor's context-parallel argument (the cp group itself comes from the default
+    state that tpflash.parallel.init(cp=) made)."""
+    return {"cp_comm": cfg.cp_comm} if cfg.cp > 1 else {}
+
+
 # packed fine-tuning rows put their document boundaries elsewhere in every batch, which graphs
 # captured once cannot follow
 PACKED_GRAPHS_RULE = ("cuda_graphs=on is not possible with data.format=jsonl: packed documents change the attention's "
@@ -206,6 +238,10 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp
     """
     if cfg.cuda_graphs == "off":
         return False, "off"
+    if cfg.cp > 1:
+        if cfg.cuda_graphs == "on":
+            raise ValueError(_cp_graphs_rule(cfg.cp))
+        return False, f"auto: off (cp={cfg.cp})"
     from .data import token_format
     if token_format(cfg.data) == "jsonl":
         if cfg.cuda_graphs == "on":

@@ -36,9 +36,12 @@ USER_ERROR_STATUS = 2
 
 # How long a rank other than 0 waits before reporting its own error line. Ranks usually fail
 # together (inputs are checked on every rank before any collective), and then rank 0's line is
-# the only one: torchrun stops the other workers as soon as rank 0 exits. A rank whose error rank 0
-# does not share outlives the wait and reports it itself, so no error goes unreported.
-OTHER_RANK_GRACE_S = 3.0
+# the only one: torchrun stops the other workers as soon as rank 0 exits. The wait counts from this
+# rank's own error, and on a loaded machine rank 0 may reach the same check (imports, reading the
+# config) several seconds later, so it is generous. A rank whose error rank 0 does not share
+# outlives the wait and reports it itself, so no error goes unreported; rank 0 would otherwise sit
+# in its first collective until the timeout, so the wait costs nothing there.
+OTHER_RANK_GRACE_S = 30.0
 
 
 def _rank() -> int:

@@ -1,6 +1,6 @@
 """The training configuration: dataclasses, loaded from YAML and overridden from the command line.
 
-A config has top-level keys (tp, dp, seed, dtype, fsdp, cuda_graphs) and sections: `model` (a preset name
+A config has top-level keys (tp, dp, cp, cp_comm, seed, dtype, fsdp, cuda_graphs) and sections: `model` (a preset name
 or a Hugging Face model directory in `init_from`, and/or GPTConfig fields), `data`, `train` (optimisation and batch sizes), `checkpoint` and `log`.
 YAML mirrors that nesting. Command-line overrides are `--section.key=value` (or
 `--section.key value`); a bare `--key=value` is accepted when the key names exactly one field
@@ -118,10 +118,13 @@ class TrainConfig:
     replicated optimizer state would fill more than half the device: tpflash.train.build.fsdp_choice), "on", "off". cuda_graphs:
     "auto" (replay the model's blocks as CUDA graphs on CUDA at tp > 1, and at tp=1 with dp=1, when
     the model allows it: no FSDP, dropout 0, no activation checkpointing), "on" (also at tp=1 with
-    dp > 1; an error if not allowed), "off"."""
+    dp > 1; an error if not allowed), "off". The world is dp * cp * tp ranks; cp > 1 splits every
+    sequence over cp ranks (attention through "ring" or "allgather" cp_comm) and needs unpacked data."""
 
     tp: int = 1
     dp: int = -1
+    cp: int = 1  # context parallelism: ranks that share each sequence (docs/context_parallel.md)
+    cp_comm: str = "ring"  # ring | allgather: how those ranks exchange keys and values
     seed: int = 1234
     dtype: str = "auto"
     fsdp: str = "auto"
@@ -137,7 +140,7 @@ class TrainConfig:
 
 
 SECTIONS = {f.name: f for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory)}
-_CHOICES = {"dtype": ("auto", "bf16", "fp32"), "fsdp": ("auto", "on", "off"), "cuda_graphs": ("auto", "on", "off"),
+_CHOICES = {"dtype": ("auto", "bf16", "fp32"), "cp_comm": ("ring", "allgather"), "fsdp": ("auto", "on", "off"), "cuda_graphs": ("auto", "on", "off"),
             "data.format": ("auto", "text", "uint16", "uint32", "jsonl"), "train.fused_adam": ("auto", "on", "off"),
             "log.progress": ("auto", "bar", "lines", "none"), "log.tensorboard": ("auto", "on", "off"),
             "checkpoint.on_corrupt": ("fallback", "error")}
@@ -235,7 +238,7 @@ def _at_least(low):
 _POSITIVE = ((lambda v: v > 0), "must be > 0")
 _FRACTION = ((lambda v: 0 <= v < 1), "must be in [0, 1)")
 # numeric fields whose values outside these ranges would train nonsense silently (steps=-3 runs no
-# step) or fail deep inside torch; tp and dp are checked against the world size by check_layout
+# step) or fail deep inside torch; tp, cp and dp are checked against the world size by check_layout
 _RANGES = {
     "train.steps": _at_least(0), "train.batch_size": _at_least(1), "train.micro_batch_size": _at_least(0),
     "train.grad_accum": _at_least(0), "train.lr": _POSITIVE, "train.min_lr": _at_least(0),

@@ -37,16 +37,17 @@ class Trainer:
         self.cfg = cfg
         check_values(cfg)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        dp = parallel.check_layout(world, cfg.tp, cfg.dp)
+        dp = parallel.check_layout(world, cfg.tp, cfg.dp, cfg.cp)
         self.plan = build.plan_batches(cfg.train, dp)
         check_logging(cfg.log)
         if config_cls is None or model_cls is None:
             from ..models import GPT, GPTConfig
             config_cls, model_cls = config_cls or GPTConfig, model_cls or GPT
         self._load_data(config_cls)  # before any process group: bad data or config raise on every rank
+        build.check_context_parallel(cfg, self.model_config, self.seq_len, self.packed, model_cls)
         fingerprint = job_fingerprint(cfg, self.model_config, self.train_data.tokens,
                                       self.eval_data.tokens if self.eval_data else None)
-        self.ps = parallel.init(tp=cfg.tp, dp=dp, agree=fingerprint)  # every rank runs this same job, or all raise
+        self.ps = parallel.init(tp=cfg.tp, dp=dp, agree=fingerprint, cp=cfg.cp)  # every rank runs this same job, or all raise
         self.checkpoint_warnings = []  # fallbacks past damaged steps, lock takeovers (also printed by rank 0)
         self.dir_lock = self._claim_checkpoint_dir()  # one job per checkpoint.dir: every rank raises if it is taken
         self.device = self.ps.device
@@ -70,9 +71,9 @@ class Trainer:
         if self.cuda_graphs:
             with build.autocast(self.device, self.amp_dtype):
                 self.model.capture_cuda_graphs(self.plan.micro, self.seq_len)
-        # replicated over dp: the training forward goes through DDP, whose backward all-reduces the
+        # replicated over dp (x cp): the training forward goes through DDP, whose backward all-reduces the
         # gradients bucket by bucket as they become ready (None under FSDP or at dp=1)
-        replicated = not self.fsdp and self.ps.dp_size > 1
+        replicated = not self.fsdp and self.ps.dp_cp_size > 1
         self.ddp = parallel.replicate_over_dp(self.model, self.ps) if replicated else None
         self._train_forward = self.model if self.ddp is None else self.ddp
 
@@ -113,14 +114,18 @@ class Trainer:
         self.init_from = self.cfg.model.get("init_from") or None
         if self.init_from:
             from ..models import pretrained
-            self.model = model_cls(self.model_config, process_group=None, device=torch.device("meta"))
+            self.model = model_cls(self.model_config, process_group=None, device=torch.device("meta"),
+                                   **build.context_parallel_kwargs(self.cfg))
             hf_files = pretrained.HFFiles(self.init_from)
             pretrained.check_files(self.model, hf_files)  # before the first collective: every rank raises alike
         else:
             torch.manual_seed(self.cfg.seed)  # identical on every rank: tp shards are slices of one init
-            self.model = model_cls(self.model_config, process_group=None, device=self.device)
+            self.model = model_cls(self.model_config, process_group=None, device=self.device,
+                                   **build.context_parallel_kwargs(self.cfg))
         self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
-        self.fsdp, self.fsdp_why = build.fsdp_choice(self.cfg.fsdp, dp, *build.agreed_fsdp_inputs(self.model, self.ps))
+        # the dp x cp ranks hold the same parameters: FSDP shards over them all
+        self.fsdp, self.fsdp_why = build.fsdp_choice(self.cfg.fsdp, dp * self.cfg.cp,
+                                                     *build.agreed_fsdp_inputs(self.model, self.ps))
         if self.fsdp:
             parallel.apply_fsdp(self.model, self.ps)
             self.sharded_ids = tp_sharded_param_ids(self.model)
@@ -267,7 +272,7 @@ class Trainer:
                 (loss / divisor).backward()
             loss_sum += loss.detach().float()
         self.sampler.advance(plan.batch_size)
-        norm = global_grad_norm(self.model, ps.tp_group, ps.dp_group, self.fsdp, self.sharded_ids)
+        norm = global_grad_norm(self.model, ps.tp_group, ps.dp_cp_group, self.fsdp, self.sharded_ids)
         first_bad = (self._first_nonfinite < 0) & ~torch.isfinite(norm)
         self._first_nonfinite = torch.where(first_bad, self.step + 1, self._first_nonfinite)
         lr = self.schedule.lr
@@ -320,9 +325,11 @@ class Trainer:
         ps, plan = self.ps, self.plan
         params = self.model.num_params() if hasattr(self.model, "num_params") else \
             sum(p.numel() for p in self.model.parameters())
-        out.note(f"layout: tp={ps.tp_size} dp={ps.dp_size} (world {ps.world_size}, {self.device.type}), "
-                 f"fsdp={'on' if self.fsdp else 'off'}{self.fsdp_why}, compute dtype {self.amp_dtype or torch.float32}, "
-                 f"cuda graphs {self.cuda_graphs_why}")
+        cp = f" cp={ps.cp_size} ({self.cfg.cp_comm})" if ps.cp_size > 1 else ""
+        fp8 = getattr(self.model_config, "fp8", "off")
+        out.note(f"layout: tp={ps.tp_size}{cp} dp={ps.dp_size} (world {ps.world_size}, {self.device.type}), "
+                 f"fsdp={'on' if self.fsdp else 'off'}{self.fsdp_why}, compute dtype {self.amp_dtype or torch.float32}"
+                 f"{'' if fp8 == 'off' else f' (fp8 {fp8} GEMMs)'}, cuda graphs {self.cuda_graphs_why}")
         out.note(f"model: {params / 1e6:.2f}M parameters, seq {self.seq_len}; batch {plan.batch_size} = dp {plan.dp}"
                  f" x accum {plan.grad_accum} x micro {plan.micro}; {len(self.train_data)} train / "
                  f"{len(self.eval_data) if self.eval_data else 0} eval sequences")

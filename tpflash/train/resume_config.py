@@ -30,11 +30,12 @@ from .build import resolve_model_config
 
 # GPTConfig fields a resumed run may change freely: the same weights compute the same function.
 # sequence_parallel (tp layout of activations), activation_checkpointing (recompute in backward)
-# and fused_loss (a chunked kernel for the same loss) change how it is computed; init_std only draws
+# fused_loss (a chunked kernel for the same loss) and fp8 (the GEMMs' precision; no fp8 state is
+# saved) change how it is computed; init_std only draws
 # the initial weights, which the checkpoint replaces; seed only seeds the dropout streams (which
 # the checkpoint restores where the world size is unchanged). Every other field, dropout included
 # (it changes the training loss), is compared.
-RUN_ONLY_FIELDS = ("sequence_parallel", "activation_checkpointing", "fused_loss", "init_std", "seed")
+RUN_ONLY_FIELDS = ("sequence_parallel", "activation_checkpointing", "fused_loss", "fp8", "init_std", "seed")
 CHOOSERS = ("preset", "init_from")  # model keys that pick a whole config rather than one field
 ALLOW_KEY = "checkpoint.allow_config_change"
 

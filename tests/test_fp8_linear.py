@@ -1,0 +1,165 @@
+"""fp8 linear layers in one process: each GEMM equals the GEMM of its operands fake-quantised (cast to
+fp8 and back, scaled along the GEMM's contraction dimension) by an independent reference, forward and
+backward, for both recipes; and the result stays near the full-precision one."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpflash.kernels.fp8 import E4M3, E5M2, quantize, scaled_mm
+from tpflash.layers.fp8_linear import fp8_linears
+from tpflash.models import GPT, GPTConfig
+
+MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def fake_quant(t, fmt, dim):
+    """t cast to fp8 and back with current scaling: amax over `dim` (None: the tensor) mapped to fmt's max.
+    The scaling runs in fp32 as the layers' does, so that ties round alike."""
+    t = t.float()
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = MAX[fmt] / amax.clamp_min(1e-12)
+    return ((t * scale).clamp(-MAX[fmt], MAX[fmt]).to(fmt).float() / scale).double()
+
+
+def assert_rel(got, expected, tol=1e-5):
+    err = ((got.double() - expected).norm() / expected.norm()).item()
+    assert err < tol, err
+
+
+def reference_grads(x, w, dy, recipe):
+    """(y, dx, dw) of y = x w^T from fake-quantised operands: x [M, K], w [N, K], dy [M, N]."""
+    if recipe == "tensorwise":
+        xq, wq, dyq = fake_quant(x, E4M3, None), fake_quant(w, E4M3, None), fake_quant(dy, E5M2, None)
+        return xq @ wq.t(), dyq @ wq, dyq.t() @ xq
+    y = fake_quant(x, E4M3, 1) @ fake_quant(w, E4M3, 1).t()  # along K
+    dx = fake_quant(dy, E4M3, 1) @ fake_quant(w, E4M3, 0)  # along N
+    dw = fake_quant(dy, E4M3, 0).t() @ fake_quant(x, E4M3, 0)  # along M
+    return y, dx, dw
+
+
+def operands(m=24, k=32, n=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    x[3] *= 1e5  # an outlier token: one tensor scale pushes the other rows into e4m3's subnormals
+    w = torch.randn(n, k, generator=gen) * 0.1
+    dy = torch.randn(m, n, generator=gen) * 1e-3
+    return x, w, dy
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_linear_equals_the_gemms_of_fake_quantised_operands(recipe):
+    x, w, dy = operands()
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y, = fp8_linears(xl, [wl], [None], recipe)
+    y.backward(dy)
+    y_ref, dx_ref, dw_ref = reference_grads(x, w, dy, recipe)
+    assert_rel(y, y_ref)
+    assert_rel(xl.grad, dx_ref)
+    assert_rel(wl.grad, dw_ref)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_linear_stays_near_full_precision(recipe):
+    x, w, dy = operands()
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y, = fp8_linears(xl, [wl], [None], recipe)
+    y.backward(dy)
+    limit = 0.08 if recipe == "rowwise" else 0.2  # e4m3 has 3 mantissa bits; one tensor scale loses more
+    for got, exact in ((y, x @ w.t()), (xl.grad, dy @ w), (wl.grad, dy.t() @ x)):
+        assert ((got - exact).norm() / exact.norm()).item() < limit
+
+
+def test_rowwise_scales_keep_ordinary_tokens_precise_beside_an_outlier():
+    x, _, _ = operands()  # row 3 is 1e5 times the others
+    ordinary = [i for i in range(x.shape[0]) if i != 3]
+    errors = {}
+    for recipe, dim in (("rowwise", -1), ("tensorwise", None)):
+        x8, scale = quantize(x, E4M3, dim)
+        errors[recipe] = (((x8.float() * scale) - x)[ordinary].norm() / x[ordinary].norm()).item()
+    assert errors["rowwise"] < 0.05 < errors["tensorwise"], errors
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_stacked_weights_with_biases_are_one_gemm_over_the_stacked_weight(recipe):
+    x, w, dy = operands(n=48)
+    ws = [t.clone().requires_grad_() for t in w.split([16, 24, 8])]
+    bs = [torch.randn(t.shape[0]).requires_grad_() for t in ws]
+    xl = x.clone().requires_grad_()
+    ys = fp8_linears(xl, ws, bs, recipe)
+    assert [tuple(y.shape) for y in ys] == [(24, 16), (24, 24), (24, 8)]
+    torch.cat(ys, dim=1).backward(dy)
+    y_ref, dx_ref, dw_ref = reference_grads(x, w, dy, recipe)
+    assert_rel(torch.cat(ys, 1), y_ref + torch.cat(bs).detach().double())
+    assert_rel(xl.grad, dx_ref)
+    assert_rel(torch.cat([t.grad for t in ws]), dw_ref)
+    torch.testing.assert_close(torch.cat([b.grad for b in bs]), dy.sum(0), rtol=1e-5, atol=1e-7)
+
+
+def test_under_autocast_the_output_is_bf16_and_weight_gradients_fp32():
+    x, w, dy = operands()
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, = fp8_linears(xl, [wl], [None], "rowwise")
+    assert y.dtype == torch.bfloat16
+    y.backward(dy.bfloat16())
+    assert wl.grad.dtype == torch.float32 and xl.grad.dtype == torch.float32
+
+
+def test_quantize_maps_each_rows_amax_to_the_formats_largest_value():
+    x = torch.tensor([[1.0, -4.0, 2.0], [0.0, 0.0, 0.0], [1e-3, 5e-4, -2e-3]])
+    x8, scale = quantize(x, E4M3, -1)
+    assert x8.dtype == E4M3 and scale.shape == (3, 1)
+    assert x8.float().abs().amax(dim=1).tolist() == [448.0, 0.0, 448.0]
+    assert torch.isfinite(scale).all()
+    torch.testing.assert_close(x8.float() * scale, x, rtol=0.07, atol=0)
+
+
+def test_scaled_mm_off_cuda_is_the_gemm_of_dequantised_operands():
+    a8, sa = quantize(torch.randn(8, 16), E4M3, -1)
+    b8, sb = quantize(torch.randn(4, 16), E4M3, -1)
+    got = scaled_mm(a8, sa, b8.t(), sb.t(), torch.float32)
+    torch.testing.assert_close(got, (a8.float() * sa) @ (b8.float() * sb).t())
+
+
+def test_unknown_recipe_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"fp8='fp4' must be one of \('off', 'rowwise', 'tensorwise'\)"):
+        GPTConfig.preset("llama-tiny", fp8="fp4")
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_a_gpt_with_fp8_projections_trains_close_to_full_precision(recipe):
+    def curve(fp8):
+        torch.manual_seed(0)
+        config = GPTConfig.preset("llama-tiny", vocab_size=64, block_size=32, n_layer=2, n_embd=64, n_head=4,
+                                  n_kv_head=2, ffn_hidden=128, fp8=fp8)
+        model = GPT(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        gen = torch.Generator().manual_seed(1)
+        pattern = torch.randint(0, 64, (8,), generator=gen)
+        losses = []
+        for _ in range(30):
+            idx = pattern.repeat(4, 4)[:, torch.randint(0, 8, (1,), generator=gen).item():][:, :24]
+            loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+    exact, fp8 = curve("off"), curve(recipe)
+    assert fp8[-1] < 0.5 * fp8[0]  # it learned the repeating pattern
+    assert abs(fp8[-1] - exact[-1]) < 0.1 * exact[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_linear_on_cuda_equals_the_gemms_of_fake_quantised_operands(recipe):
+    """torch._scaled_mm's GEMMs (bf16 activations, fp32 weights under autocast) against the reference."""
+    x, w, dy = (t.cuda() for t in operands(m=256, k=512, n=384))
+    xl, wl = x.bfloat16().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, = fp8_linears(xl, [wl], [None], recipe)
+    y.backward(dy.bfloat16())
+    y_ref, dx_ref, dw_ref = reference_grads(x.bfloat16().float().cpu(), w.cpu(), dy.bfloat16().float().cpu(), recipe)
+    assert_rel(y.float().cpu(), y_ref, 1e-2)
+    assert_rel(xl.grad.float().cpu(), dx_ref, 1e-2)
+    assert_rel(wl.grad.cpu(), dw_ref, 1e-2)

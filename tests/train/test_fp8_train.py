@@ -1,0 +1,33 @@
+"""The trainer with fp8 GEMMs (--model.fp8): it trains at tp=2, and its checkpoint carries no fp8 state,
+so a run resumes it with fp8 off (at another tp) and continues from the saved weights."""
+import pytest
+
+from tests.train.test_resume_config import copy_of, corpus, gpt_config, steps_body  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.cpu_ranks
+
+
+def test_an_fp8_checkpoint_resumes_without_fp8_at_another_tp(ranks, corpus, tmp_path):  # noqa: F811
+    ckpt = str(tmp_path / "ckpt")
+    cfg = gpt_config(corpus, ckpt, model={"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "fp8": "rowwise"})
+    cfg.tp = 2
+    (start, losses, _), _ = ranks(2).run(steps_body, cfg, 4)
+    assert start == 0 and losses[-1] < losses[0]
+    resumed = gpt_config(corpus, ckpt, model={"fp8": "off"})
+    start, more, _ = ranks(1).run(steps_body, resumed, 2)[0]
+    assert start == 4
+    assert abs(more[0] - losses[-1]) < 0.1 * losses[0]  # the saved weights, not a fresh model
+
+
+@pytest.mark.parametrize("layout", ["fsdp_dp2_checkpointed", "cp2"])
+def test_fp8_trains_under_fsdp_with_activation_checkpointing_and_under_cp(ranks, corpus, layout):  # noqa: F811
+    model = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "fp8": "rowwise"}
+    single = ranks(1).run(steps_body, gpt_config(corpus, model=model), 4)[0][1]
+    cfg = gpt_config(corpus, model=dict(model, activation_checkpointing=layout.startswith("fsdp")))
+    if layout.startswith("fsdp"):
+        cfg.fsdp = "on"
+    else:
+        cfg.cp = 2
+    losses = ranks(2).run(steps_body, cfg, 4)[0][1]
+    assert losses[-1] < losses[0]
+    assert max(abs(a - b) for a, b in zip(losses, single)) < 0.05 * single[0]  # fp8 rounding apart

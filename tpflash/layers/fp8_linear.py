@@ -1,0 +1,160 @@
+"""Linear layers with their three GEMMs in fp8 (forward, input gradient, weight gradient).
+
+`fp8_linears(x, weights, biases, recipe)` is `autocast_linear.linears` with fp8 GEMMs: the weights
+sharing the input x (q/k/v, up/gate) are stacked into one GEMM per direction. Master weights, their
+gradients (fp32) and the optimizer are unchanged, and nothing fp8 is kept between steps: scales are
+computed from each operand when it is cast ("current scaling"), so checkpoints do not depend on the
+recipe and a bf16 run can resume an fp8 run and the reverse.
+
+Recipes (the GEMM y = x W^T, x [M, K], W [N, K], dY [M, N]):
+  tensorwise  one scale per tensor. x and W in e4m3, dY in e5m2 (its wider range, for gradients whose
+              magnitudes spread over more octaves than one scale can hold in e4m3): torchao's
+              tensorwise recipe and Transformer Engine's "HYBRID" format. The backward reuses the
+              forward's fp8 x and W (a tensor scale survives the transpose), so the activation saved
+              for backward is the fp8 x: half the bytes of bf16.
+  rowwise     one scale per row along each GEMM's contraction dimension, all operands e4m3 (torchao's
+              "rowwise" recipe): y from x and W scaled along K; dX = dY W from dY scaled along N and W
+              along N (per column); dW = dY^T x from dY and x scaled along M. Finer scales follow
+              outlier tokens and channels that one tensor scale would crush; the backward re-casts x
+              and W along other axes, so the bf16 x is saved.
+
+Under tensor parallelism each rank quantises the operands it multiplies (its weight shard, its
+part of the input features): scales are per shard, so tp=N differs from tp=1 by fp8 rounding, not
+by a scheme. Under sequence parallelism the input is cast before the all-gather, which then moves
+fp8 (`_cast_input`); the one collective this adds is the tensorwise amax's reduction over tp. The
+GEMM itself is tpflash.kernels.fp8.scaled_mm (torch._scaled_mm on CUDA, the dequantised GEMM
+elsewhere).
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import column_sum
+from ..kernels.fp8 import E4M3, E5M2, amax_of, quantize, scaled_mm
+from ..parallel import comm
+
+FP8_RECIPES = ("off", "rowwise", "tensorwise")
+
+
+def check_fp8_recipe(recipe: str) -> None:
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8={recipe!r} must be one of {FP8_RECIPES}")
+
+
+def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
+
+
+class _Gather(NamedTuple):
+    """Sequence parallelism: the input is this rank's [seq/tp, ...] tokens, gathered along seq_dim over group."""
+    group: dist.ProcessGroup
+    seq_dim: int
+
+
+def _cast_input(x: torch.Tensor, recipe: str, sp: Optional[_Gather]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(x8 [M, K] of the whole input, its scale: [M, 1] rowwise, 0-d tensorwise). Under sequence
+    parallelism this rank's tokens are cast and the fp8 bytes gathered with their scales (half the
+    bytes of a bf16 gather), equal bit for bit to gathering x and casting after: rowwise scales are
+    per token, and the tensorwise amax is reduced over the group first."""
+    rowwise = recipe == "rowwise"
+    if sp is None:
+        x8, scale = quantize(x, E4M3, -1 if rowwise else None)
+    elif rowwise:
+        x8, scale = quantize(x, E4M3, -1)  # [seq/tp, ..., 1] scales travel with their tokens
+        scale = comm.all_gather(scale, sp.seq_dim, sp.group)
+    else:
+        amax = amax_of(x, None)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=sp.group)
+        x8, scale = quantize(x, E4M3, None, amax)
+    if sp is not None:  # as bytes: not every backend moves fp8 dtypes
+        x8 = comm.all_gather(x8.view(torch.uint8), sp.seq_dim, sp.group).view(x8.dtype)
+    return x8.reshape(-1, x8.shape[-1]), scale.reshape(-1, 1) if rowwise else scale
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """[x W_i^T + b_i] with fp8 GEMMs (module docstring): x [*, in] (under `sp`, this rank's tokens of
+    it), W_i [out_i, in] -> y_i [*, out_i] (the whole sequence) in `out_dtype`; gradients: x's dtype
+    for x (reduce-scattered under `sp`), the parameters' dtypes (fp32 accumulation) for W, b."""
+
+    @staticmethod
+    def forward(ctx, x, recipe, out_dtype, sp, n, *params):
+        weights, biases = params[:n], params[n:]
+        ctx.recipe, ctx.sp, ctx.out_dtype, ctx.device = recipe, sp, out_dtype, x.device
+        ctx.sizes = [w.shape[0] for w in weights]
+        ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+        ctx.full_shape = x.shape if sp is None else \
+            x.shape[:sp.seq_dim] + (x.shape[sp.seq_dim] * sp.group.size(),) + x.shape[sp.seq_dim + 1:]
+        x8, sx = _cast_input(x, recipe, sp)  # [M, K]
+        w = _stack(weights)  # [N, K]
+        w8, sw = quantize(w, E4M3, -1 if recipe == "rowwise" else None)
+        y = scaled_mm(x8, sx, w8.t(), sw.t(), out_dtype)  # [M, N]
+        if biases[0] is not None:
+            y = y + _stack(biases).to(out_dtype)
+        if recipe == "tensorwise":
+            ctx.save_for_backward(x8, sx, w8, sw)  # the fp8 x: half the bytes of the bf16 one
+        else:
+            ctx.save_for_backward(x, w)  # re-cast along other axes in backward (under sp, this rank's tokens)
+        return tuple(y.view(*ctx.full_shape[:-1], -1).split(ctx.sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grad_ys):
+        n, sp = len(ctx.sizes), ctx.sp
+        m = ctx.full_shape[:-1].numel()
+        grads = [torch.zeros(m, size, dtype=ctx.out_dtype, device=ctx.device) if g is None else g.reshape(m, size)
+                 for g, size in zip(grad_ys, ctx.sizes)]
+        dy = grads[0] if n == 1 else torch.cat(grads, dim=1)  # [M, N]
+        want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:5 + n])
+        dx = dw = None
+        if ctx.recipe == "tensorwise":
+            x8, sx, w8, sw = ctx.saved_tensors
+            dy8, sdy = quantize(dy, E5M2, None)
+            dx = scaled_mm(dy8, sdy, w8, sw, ctx.out_dtype) if want_dx else None
+            dw = scaled_mm(dy8.t(), sdy, x8, sx, torch.float32) if want_dw else None
+        else:
+            x, w = ctx.saved_tensors
+            if want_dx:
+                dy8, sdy = quantize(dy, E4M3, -1)  # along N, dX's contraction
+                wc8, swc = quantize(w, E4M3, 0)  # [N, K], one scale per column
+                dx = scaled_mm(dy8, sdy, wc8, swc, ctx.out_dtype)
+            if want_dw:
+                x_full = x if sp is None else comm.all_gather(x, sp.seq_dim, sp.group)
+                dyc8, sdyc = quantize(dy, E4M3, 0)  # [M, N] along M, dW's contraction
+                xc8, sxc = quantize(x_full.reshape(m, -1), E4M3, 0)
+                dw = scaled_mm(dyc8.t(), sdyc.t(), xc8, sxc, torch.float32)
+        grad_params: List[Optional[torch.Tensor]] = [None] * (2 * n)
+        if dw is not None:
+            grad_params[:n] = dw.split(ctx.sizes)
+        if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[5 + n:]):
+            grad_params[n:] = column_sum(dy).split(ctx.sizes)
+        grad_params = [None if g is None else g.to(dt) for g, dt in zip(grad_params, ctx.param_dtypes)]
+        if dx is not None:
+            dx = dx.view(ctx.full_shape)
+            if sp is not None:
+                dx = comm.reduce_scatter(dx, sp.seq_dim, sp.group)
+        return (dx, None, None, None, None, *grad_params)
+
+
+def fp8_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+                recipe: str, sequence_parallel_group: Optional[dist.ProcessGroup] = None,
+                seq_dim: int = 0) -> List[torch.Tensor]:
+    """[x W_i^T + b_i] with fp8 GEMMs under `recipe` ("rowwise" or "tensorwise"): x [*, in], W_i
+    [out_i, in] -> [*, out_i] each, in the autocast dtype under autocast, else x's dtype (x is cast to
+    it first, as F.linear under autocast would). Biases: all present or all None.
+    sequence_parallel_group: x is this rank's [seq/tp, ...] tokens; they are cast to fp8 and
+    all-gathered along `seq_dim` (x's gradient reduce-scattered), and the outputs hold the whole
+    sequence."""
+    if recipe not in FP8_RECIPES[1:]:
+        raise ValueError(f"fp8_linears: recipe {recipe!r} must be 'rowwise' or 'tensorwise'")
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise ValueError("fp8_linears: biases must be all present or all None")
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    sp = None
+    if sequence_parallel_group is not None and sequence_parallel_group.size() > 1:
+        sp = _Gather(sequence_parallel_group, seq_dim % x.dim())
+    with torch.autocast(device, enabled=False):
+        x = x.to(out_dtype)
+        return list(_Fp8Linear.apply(x, recipe, out_dtype, sp, len(weights), *weights, *biases))
