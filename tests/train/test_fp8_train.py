@@ -31,3 +31,17 @@ def test_fp8_trains_under_fsdp_with_activation_checkpointing_and_under_cp(ranks,
     losses = ranks(2).run(steps_body, cfg, 4)[0][1]
     assert losses[-1] < losses[0]
     assert max(abs(a - b) for a, b in zip(losses, single)) < 0.05 * single[0]  # fp8 rounding apart
+
+
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+def test_fp8_off_is_accepted_as_written(tmp_path, where):
+    # YAML reads a bare `off` as false: the config must still mean the recipe "off"
+    from tpflash.models import GPTConfig
+    from tpflash.train.config import parse_args
+    if where == "yaml":
+        path = tmp_path / "c.yaml"
+        path.write_text("model:\n  preset: llama-1b\n  fp8: off\n")
+        cfg = parse_args(["--config", str(path)])
+    else:
+        cfg = parse_args(["--model.preset=llama-1b", "--model.fp8=off"])
+    assert GPTConfig.preset("llama-1b", fp8=cfg.model["fp8"]).fp8 == "off"

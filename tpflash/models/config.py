@@ -121,6 +121,8 @@ class GPTConfig:
             check_rope_scaling(self.rope_scaling, self.head_size)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.fp8 is False:  # YAML 1.1 reads a bare `off` (config files, --model.fp8=off) as false
+            self.fp8 = "off"
         check_fp8_recipe(self.fp8)
         self.checkpoint_mode  # validates activation_checkpointing
 
