@@ -9,15 +9,21 @@ dim=0 one per column ([1, K]), dim=None one for the tensor (a 0-d scale; "tensor
 maps the amax to the format's largest value (448 for e4m3, 57344 for e5m2), as torchao's and
 Transformer Engine's current scaling do; an all-zero slice gets a tiny amax rather than a zero scale.
 
+`cast(x, dtype, dim, amax, row=, col=)` is quantize in one or two passes over x (Triton on CUDA,
+tpflash.kernels.fp8_cast_kernel; quantize itself on CPU), writing x8 in the layouts the GEMM takes
+without a copy: row-major, column-major (a contiguous [K, M] seen as [M, K]) or both at once.
+
 `scaled_mm` runs torch._scaled_mm on CUDA (a [M, K] row-major, b [K, N] column-major; rowwise
 scales need bf16 output there) and, elsewhere or for shapes it does not take (dims not multiples of
 16), the GEMM of the dequantised operands in fp32: the definition the CUDA kernel is tested against.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
+
+from . import dispatch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
@@ -42,6 +48,67 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: Optional[int],
     quant = FP8_MAX[dtype] / amax.clamp_min(_AMAX_FLOOR)
     x8 = (xf * quant).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
     return x8, quant.reciprocal()
+
+
+class Fp8Cast(NamedTuple):
+    """x in fp8, in the layouts asked for, and its fp32 dequantisation scale (quantize's)."""
+    row: Optional[torch.Tensor]  # x's shape, contiguous
+    col: Optional[torch.Tensor]  # [M, K] column-major: the .t() of a contiguous [K, M] (2-D x only)
+    scale: torch.Tensor  # [*, 1] (dim -1), [1, K] (dim 0 of a 2-D x), 0-d (dim None)
+
+
+def _on_triton(x: torch.Tensor) -> bool:
+    return dispatch.pick(x) == "triton" and x.dim() > 0 and x.numel() > 0 and \
+        x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _triton_scaling(x: torch.Tensor, dim: Optional[int], amax: Optional[torch.Tensor]) -> Optional[int]:
+    """The fp8_cast_kernel scaling (0 ROWS, 1 COLUMNS, 2 TENSOR) that does quantize(x, _, dim, amax), or
+    None where the kernels do not apply (CPU; empty, 0-d or float64 x; a per-slice or non-fp32 given
+    amax; other dims)."""
+    if not _on_triton(x):
+        return None
+    if dim is None:  # quantize computes a given amax's quant in its dtype: the kernel does fp32
+        return 2 if amax is None or (amax.numel() == 1 and amax.dtype == torch.float32) else None
+    dim = dim % x.dim()
+    if amax is not None:
+        return None
+    return 0 if dim == x.dim() - 1 else 1 if dim == 0 and x.dim() == 2 else None
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype, dim: Optional[int], amax: Optional[torch.Tensor] = None,
+         row: bool = True, col: bool = False) -> Fp8Cast:
+    """quantize(x, dtype, dim, amax), bit for bit, with x8 written row-major (`row`), column-major
+    (`col`, x 2-D) or both from one read. x [*, K] (any dtype; last-dim stride 1 avoids a copy).
+
+    Triton on CUDA for bf16/fp16/fp32 x (fp8_cast_kernel): dim=-1 reads x once; dim=0 (2-D x) and
+    dim=None twice (amax, then cast), once with a given 0-d amax. Elsewhere quantize, and a copy for
+    the column-major layout."""
+    if col and x.dim() != 2:
+        raise ValueError(f"cast: a column-major x8 needs a 2-D x, not {tuple(x.shape)}")
+    scale_by = _triton_scaling(x, dim, amax)
+    if scale_by is None:
+        x8, scale = quantize(x, dtype, dim, amax)
+        return Fp8Cast(x8 if row else None, x8.t().contiguous().t() if col else None, scale)
+    if dtype not in FP8_MAX:
+        raise ValueError(f"fp8 dtype {dtype} must be torch.float8_e4m3fn or torch.float8_e5m2")
+    from .fp8_cast_kernel import triton_cast
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    given = None if amax is None else amax.reshape(1).float()
+    x8, x8_col, scale = triton_cast(x2, dtype, scale_by, given, row, col)
+    return Fp8Cast(None if x8 is None else x8.view(x.shape), x8_col,
+                   scale.view(*x.shape[:-1], 1) if scale_by == 0 else scale)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 max |x| over the whole tensor, 0-d (amax_of(x, None); a Triton reduction on CUDA)."""
+    if not _on_triton(x):
+        return amax_of(x, None)
+    from .fp8_cast_kernel import triton_amax
+    x2 = x.reshape(-1, x.shape[-1])
+    return triton_amax(x2 if x2.stride(1) == 1 else x2.contiguous(), per_column=False).amax()
 
 
 def dequantize(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

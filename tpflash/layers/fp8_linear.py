@@ -22,8 +22,11 @@ Under tensor parallelism each rank quantises the operands it multiplies (its wei
 part of the input features): scales are per shard, so tp=N differs from tp=1 by fp8 rounding, not
 by a scheme. Under sequence parallelism the input is cast before the all-gather, which then moves
 fp8 (`_cast_input`); the one collective this adds is the tensorwise amax's reduction over tp. The
-GEMM itself is tpflash.kernels.fp8.scaled_mm (torch._scaled_mm on CUDA, the dequantised GEMM
-elsewhere).
+casts are tpflash.kernels.fp8.cast (fused Triton kernels on CUDA, quantize elsewhere), which write
+each fp8 operand in the layout its GEMM takes it in: row-major first operands, column-major second
+ones (torch._scaled_mm's), so that no GEMM copies one; tensorwise writes x and W in both layouts from
+one read and saves the column-major ones for the backward. The GEMM itself is
+tpflash.kernels.fp8.scaled_mm (torch._scaled_mm on CUDA, the dequantised GEMM elsewhere).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import column_sum
-from ..kernels.fp8 import E4M3, E5M2, amax_of, quantize, scaled_mm
+from ..kernels.fp8 import E4M3, E5M2, cast, scaled_mm, tensor_amax
 from ..parallel import comm
 
 FP8_RECIPES = ("off", "rowwise", "tensorwise")
@@ -55,20 +58,20 @@ class _Gather(NamedTuple):
 
 
 def _cast_input(x: torch.Tensor, recipe: str, sp: Optional[_Gather]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(x8 [M, K] of the whole input, its scale: [M, 1] rowwise, 0-d tensorwise). Under sequence
-    parallelism this rank's tokens are cast and the fp8 bytes gathered with their scales (half the
-    bytes of a bf16 gather), equal bit for bit to gathering x and casting after: rowwise scales are
-    per token, and the tensorwise amax is reduced over the group first."""
+    """(x8 [M, K] of the whole input, row-major; its scale: [M, 1] rowwise, 0-d tensorwise). Under
+    sequence parallelism this rank's tokens are cast and the fp8 bytes gathered with their scales
+    (half the bytes of a bf16 gather), equal bit for bit to gathering x and casting after: rowwise
+    scales are per token, and the tensorwise amax is reduced over the group first."""
     rowwise = recipe == "rowwise"
     if sp is None:
-        x8, scale = quantize(x, E4M3, -1 if rowwise else None)
+        x8, _, scale = cast(x, E4M3, -1 if rowwise else None)
     elif rowwise:
-        x8, scale = quantize(x, E4M3, -1)  # [seq/tp, ..., 1] scales travel with their tokens
+        x8, _, scale = cast(x, E4M3, -1)  # [seq/tp, ..., 1] scales travel with their tokens
         scale = comm.all_gather(scale, sp.seq_dim, sp.group)
     else:
-        amax = amax_of(x, None)
+        amax = tensor_amax(x)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=sp.group)
-        x8, scale = quantize(x, E4M3, None, amax)
+        x8, _, scale = cast(x, E4M3, None, amax)
     if sp is not None:  # as bytes: not every backend moves fp8 dtypes
         x8 = comm.all_gather(x8.view(torch.uint8), sp.seq_dim, sp.group).view(x8.dtype)
     return x8.reshape(-1, x8.shape[-1]), scale.reshape(-1, 1) if rowwise else scale
@@ -87,14 +90,20 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.full_shape = x.shape if sp is None else \
             x.shape[:sp.seq_dim] + (x.shape[sp.seq_dim] * sp.group.size(),) + x.shape[sp.seq_dim + 1:]
-        x8, sx = _cast_input(x, recipe, sp)  # [M, K]
+        tensorwise = recipe == "tensorwise"
+        want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:5 + n])
+        if tensorwise and want_dw and sp is None:  # both layouts from one read: the column-major one for dW
+            x8, x8_saved, sx = cast(x.reshape(-1, x.shape[-1]), E4M3, None, col=True)
+        else:
+            x8, sx = _cast_input(x, recipe, sp)  # [M, K]
+            x8_saved = x8  # under sp row-major: scaled_mm copies it for dW
         w = _stack(weights)  # [N, K]
-        w8, sw = quantize(w, E4M3, -1 if recipe == "rowwise" else None)
+        w8, w8_col, sw = cast(w, E4M3, None if tensorwise else -1, col=tensorwise and want_dx)
         y = scaled_mm(x8, sx, w8.t(), sw.t(), out_dtype)  # [M, N]
         if biases[0] is not None:
             y = y + _stack(biases).to(out_dtype)
-        if recipe == "tensorwise":
-            ctx.save_for_backward(x8, sx, w8, sw)  # the fp8 x: half the bytes of the bf16 one
+        if tensorwise:  # the fp8 x (half the bytes of the bf16 one) and W, column-major for the backward's GEMMs
+            ctx.save_for_backward(x8_saved, sx, w8_col, sw)
         else:
             ctx.save_for_backward(x, w)  # re-cast along other axes in backward (under sp, this rank's tokens)
         return tuple(y.view(*ctx.full_shape[:-1], -1).split(ctx.sizes, dim=-1))
@@ -109,21 +118,21 @@ class _Fp8Linear(torch.autograd.Function):
         want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:5 + n])
         dx = dw = None
         if ctx.recipe == "tensorwise":
-            x8, sx, w8, sw = ctx.saved_tensors
-            dy8, sdy = quantize(dy, E5M2, None)
+            x8, sx, w8, sw = ctx.saved_tensors  # [M, K], [N, K] column-major (under sp x8 row-major: copied)
+            dy8, dy8_col, sdy = cast(dy, E5M2, None, row=want_dx, col=want_dw)  # [M, N]
             dx = scaled_mm(dy8, sdy, w8, sw, ctx.out_dtype) if want_dx else None
-            dw = scaled_mm(dy8.t(), sdy, x8, sx, torch.float32) if want_dw else None
+            dw = scaled_mm(dy8_col.t(), sdy, x8, sx, torch.float32) if want_dw else None
         else:
             x, w = ctx.saved_tensors
             if want_dx:
-                dy8, sdy = quantize(dy, E4M3, -1)  # along N, dX's contraction
-                wc8, swc = quantize(w, E4M3, 0)  # [N, K], one scale per column
+                dy8, _, sdy = cast(dy, E4M3, -1)  # along N, dX's contraction
+                _, wc8, swc = cast(w, E4M3, 0, row=False, col=True)  # [N, K] column-major, a scale per column
                 dx = scaled_mm(dy8, sdy, wc8, swc, ctx.out_dtype)
             if want_dw:
                 x_full = x if sp is None else comm.all_gather(x, sp.seq_dim, sp.group)
-                dyc8, sdyc = quantize(dy, E4M3, 0)  # [M, N] along M, dW's contraction
-                xc8, sxc = quantize(x_full.reshape(m, -1), E4M3, 0)
-                dw = scaled_mm(dyc8.t(), sdyc.t(), xc8, sxc, torch.float32)
+                _, dyc8, sdyc = cast(dy, E4M3, 0, row=False, col=True)  # [M, N] along M, dW's contraction
+                _, xc8, sxc = cast(x_full.reshape(m, -1), E4M3, 0, row=False, col=True)  # column-major: dyc8.t()
+                dw = scaled_mm(dyc8.t(), sdyc.t(), xc8, sxc, torch.float32)  # is row-major, xc8 column-major
         grad_params: List[Optional[torch.Tensor]] = [None] * (2 * n)
         if dw is not None:
             grad_params[:n] = dw.split(ctx.sizes)
