@@ -1,4 +1,4 @@
-"""End-to-end GPT training throughput: tpflash vs plain PyTorch vs PyTorch-native DTensor TP, one table.
+"""End-to-end GPT training throughput: tpflash vs plain PyTorch, DTensor TP and torchtitan/torchao/Liger, one table.
 
 Run under torchrun (one process per GPU; tp = --tp, dp = world/tp; at dp > 1 --dp-mode replicate, the
 default, wraps tpflash and plain in DDP as the trainer's fsdp=auto does where the state fits, fsdp
@@ -15,10 +15,14 @@ biases), with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
   tpflash-graphs[-serial|-overlap]  the same with its blocks replayed as CUDA graphs
                         (capture_cuda_graphs): overlap as the library defaults it there (copy-engine
                         overlap where the GPUs map each other's memory), forced off, or forced on
+  tpflash-fp8-rowwise|-tensorwise  tpflash-graphs with GPTConfig(fp8=...): fp8 projection GEMMs
   plain[-compile]       the model written the way users write it (nn.Linear, nn.LayerNorm/RMSNorm, SDPA
                         with enable_gqa, F.cross_entropy), tp=1
   dtensor[-compile]     the plain model under parallelize_module (Colwise/Rowwise/SequenceParallel,
                         loss_parallel), as torchtitan does it, tp>1
+  torchtitan[-fp8], torchao-fp8[-tensorwise]-compile, liger[-compile]  the projects a user would pick
+                        instead (scripts/e2e_external.py): Llama models on one GPU; a row whose package
+                        is missing (scripts/gpu_wheels.sh) or that has no such model is a note
 Compiled variants compile each block (and, for plain, the head + loss), as torchtitan does.
 Each row is appended as JSON to --results; the table printed at the end covers every row there, so a
 tp=2 run after a tp=1 run shows both and the TP scaling efficiency (tokens/s/GPU at tp=N over the
@@ -47,6 +51,7 @@ from tpflash.models import GPT, GPTConfig  # noqa: E402
 from tpflash.parallel import overlap, peer_collectives  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_external import EXTERNAL, build as build_external, skip_reason  # noqa: E402
 from e2e_peers import PlainGPT, PlainLlama, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
 from e2e_table import table  # noqa: E402
 from e2e_timing import describe, device_name, time_steps  # noqa: E402
@@ -57,8 +62,9 @@ MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560
           "gpt-6.7b": dict(d=4096, layers=32, heads=32), "tiny": dict(d=64, layers=2, heads=4),
           "llama-1b": dict(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, family="llama"),
           "tiny-llama": dict(d=64, layers=2, heads=4, kv_heads=2, ffn=192, family="llama")}
+FP8 = {"tpflash-fp8-rowwise": "rowwise", "tpflash-fp8-tensorwise": "tensorwise"}  # graphed, like tpflash-graphs
 IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-serial", "tpflash-graphs-overlap",
-         "plain", "plain-compile", "dtensor", "dtensor-compile")
+         *FP8, "plain", "plain-compile", "dtensor", "dtensor-compile", *EXTERNAL)
 OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives overlapped with the GEMMs
 OVERLAP_OFF = ("tpflash-nooverlap", "tpflash-graphs-serial")  # forced off; the others: the library default
 BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile": "plain-compile"}
@@ -70,16 +76,18 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
     """(model, loss_fn(idx, targets), context for forward + backward) for one implementation."""
     d, layers, heads = shape["d"], shape["layers"], shape["heads"]
     llama = shape.get("family") == "llama"
+    if impl in EXTERNAL:
+        return build_external(impl, shape, args, ps)
     if impl.startswith("tpflash"):
         family = (dict(n_kv_head=shape["kv_heads"], ffn_hidden=shape["ffn"], mlp="swiglu", norm="rmsnorm",
                        position="rotary", tie_embeddings=False, bias=False) if llama else {})
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=d,
-                        sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss, **family)
+                        sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss, fp8=FP8.get(impl, "off"), **family)
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
         if ps.dp_size > 1 and args.dp_mode == "fsdp":  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction)
             tpflash.parallel.apply_fsdp(model, ps)
         on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
-        if impl.startswith("tpflash-graphs"):  # the replays overlap (or not) as the capture decided
+        if impl.startswith("tpflash-graphs") or impl in FP8:  # the replays overlap (or not) as captured
             with _overlap_setting(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
                                                           enabled=args.dtype == "bf16"):
                 model.capture_cuda_graphs(args.batch, args.seq)
@@ -128,6 +136,9 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
     row = dict(model=model_name, impl=impl, tp=ps.tp_size, dp=ps.dp_size, device=device_name(ps.device))
     if ps.dp_size > 1:
         row["note"] = "dp: " + ("DDP" if args.dp_mode == "replicate" and not impl.startswith("dtensor") else "FSDP2")
+    skip = skip_reason(impl, shape, ps) if impl in EXTERNAL else None
+    if skip:  # a row that says why, in the table too
+        return {**row, "note": skip}
     model = opt = None
     try:
         measured = None
@@ -202,7 +213,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size)")
     p.add_argument("--models", default="gpt-1.3b,gpt-2.7b", help=f"comma list of {sorted(MODELS)}")
     p.add_argument("--impls", default=None, help=f"comma list of {IMPLS} (default: tpflash-graphs, the trainer's "
-                   "choice, then at tp=1 tpflash, plain, plain-compile; at tp>1 tpflash, tpflash-nooverlap, dtensor*)")
+                   "choice, then at tp=1 the fp8 rows, tpflash, plain, plain-compile and the external peers; at tp>1 "
+                   "tpflash, tpflash-nooverlap, dtensor*)")
     p.add_argument("--dp-mode", choices=("replicate", "fsdp"), default="replicate",
                    help="at dp > 1: DDP (tpflash and plain) or FSDP2 over dp (dtensor: FSDP2 either way)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
@@ -252,8 +264,9 @@ def main(argv=None) -> None:
     ps = tpflash.parallel.init(tp=args.tp or world)
     args.dtype = args.dtype or ("bf16" if ps.device.type == "cuda" else "fp32")
     # first the trainer's default (graphed blocks, at tp=1 where dp=1), then the eager step and the peers
-    default = "tpflash-graphs," + ("tpflash,plain,plain-compile" if ps.tp_size == 1
-                                   else "tpflash,tpflash-nooverlap,dtensor,dtensor-compile")
+    rest = ([*FP8, "tpflash", "plain", "plain-compile", *EXTERNAL] if ps.tp_size == 1
+            else ["tpflash", "tpflash-nooverlap", "dtensor", "dtensor-compile"])
+    default = ",".join(["tpflash-graphs", *rest])
     impls = (args.impls or default).split(",")
     for name in impls + args.models.split(","):
         if name not in IMPLS and name not in MODELS:

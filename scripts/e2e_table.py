@@ -16,8 +16,8 @@ def table(rows: list, impls: Sequence[str], baseline: Dict[str, str]) -> str:
     for r in rows:
         if "error" in r:
             cells = ["", "", "", "", "", "error: " + r["error"]]
-        elif "tok_s_gpu" not in r:
-            cells = ["", "", f"{r['step_ms']:.1f}", "", "", r.get("note", "")]
+        elif "tok_s_gpu" not in r:  # collectives alone (step_ms only), or a peer not run (a note only)
+            cells = ["", "", f"{r['step_ms']:.1f}" if "step_ms" in r else "", "", "", r.get("note", "")]
         else:
             base = tp1.get((r["model"], baseline.get(r["impl"], r["impl"]) if r["tp"] > 1 else r["impl"]))
             eff = f"{r['tok_s_gpu'] / base:.2f}" if base else ""

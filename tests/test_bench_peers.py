@@ -1,7 +1,12 @@
 """The plain-PyTorch peers that scripts/bench_e2e.py times tpflash against compute the same model:
-loaded with tpflash's weights, they train alike (on CPU)."""
+loaded with tpflash's weights, they train alike (on CPU). The external peers (torchtitan, torchao,
+Liger: scripts/e2e_external.py) are rows with a note where their package is missing, and run in the
+--tiny smoke run where it is installed (CI has none of them)."""
 import argparse
+import json
+import math
 import os
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -9,8 +14,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from bench_e2e import MODELS, build, make_optimizer  # noqa: E402
+from bench_e2e import IMPLS, MODELS, build, make_optimizer, parse_args, run_config  # noqa: E402
+from e2e_external import EXTERNAL, PACKAGES, stub_datasets, skip_reason  # noqa: E402
 from e2e_peers import load_tpflash_weights, plain_key  # noqa: E402
+from e2e_table import table  # noqa: E402
 
 ONE_PROCESS = SimpleNamespace(tp_size=1, dp_size=1, device=torch.device("cpu"), tp_group=None, tp_mesh=None)
 
@@ -66,3 +73,148 @@ def test_tpflash_keys_map_onto_the_plain_peers_names():
     assert plain_key("blocks.0.mlp.gate_proj.weight", llama=True) == "blocks.0.mlp.gate.weight"
     assert plain_key("blocks.0.mlp.up_proj.bias", llama=False) == "blocks.0.fc.bias"
     assert plain_key("final_norm.weight", llama=False) == "norm.weight"
+
+
+# ---- the external peers (scripts/e2e_external.py): torchtitan, torchao, Liger ----------------------
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_e2e.py")
+SOLO = SimpleNamespace(**vars(ONE_PROCESS), dp_rank=0, rank=0)
+
+
+def hide(monkeypatch, package):
+    """Make `package` (and whatever of it is imported already) fail to import, as where it is absent."""
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")] + [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize("impl", EXTERNAL)
+def test_a_missing_peer_package_is_a_row_with_a_note(monkeypatch, impl):
+    hide(monkeypatch, PACKAGES[impl][0])
+    row = run_config("tiny-llama", impl, parse_args(["--tiny", "--models", "tiny-llama"]), SOLO)
+    assert row["note"] == f"{PACKAGES[impl][0]} not installed (see scripts/gpu_wheels.sh)"
+    assert "error" not in row and "tok_s_gpu" not in row
+    assert f"| {impl} | 1x1 |  |" in table([row], IMPLS, {})
+
+
+def test_the_peers_run_llama_models_on_one_gpu_only():
+    shape = MODELS["tiny-llama"]
+    for impl in EXTERNAL:
+        assert skip_reason(impl, MODELS["tiny"], SOLO).startswith("Llama models only")
+        assert skip_reason(impl, shape, SimpleNamespace(**{**vars(SOLO), "tp_size": 2})).startswith("run on one GPU")
+
+
+def test_torchtitan_builds_llama_1b_with_its_swiglu_width():
+    stub_datasets()  # what e2e_external does before importing torchtitan
+    pytest.importorskip("torchtitan.models.llama3")
+    from e2e_external import torchtitan_args
+    from torchtitan.models.llama3 import Transformer
+    with torch.device("meta"):
+        model = Transformer(torchtitan_args(MODELS["llama-1b"], argparse.Namespace(vocab=32000, seq=2048)))
+    assert model.layers["0"].feed_forward.w1.out_features == 5632
+    assert model.model_args.multiple_of == 256 and model.model_args.ffn_dim_multiplier is None
+    assert model.layers["0"].attention.wk.out_features == 4 * 64 and len(model.layers) == 22
+
+
+def smoke(tmp_path, impls):
+    """The rows of `python scripts/bench_e2e.py --tiny --models tiny-llama --impls IMPLS`."""
+    results = tmp_path / "rows.jsonl"
+    run = subprocess.run([sys.executable, SCRIPT, "--tiny", "--models", "tiny-llama", "--impls", impls,
+                          "--results", str(results)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return {row["impl"]: row for row in map(json.loads, results.read_text().splitlines())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("package, impls", [
+    (None, "plain,tpflash-graphs,tpflash-fp8-rowwise,tpflash-fp8-tensorwise,liger,liger-compile"),
+    ("torchao.float8", "plain,torchao-fp8-compile,torchao-fp8-tensorwise-compile"),
+    ("torchtitan", "torchtitan,torchtitan-fp8")])
+def test_the_tiny_smoke_run_times_the_fp8_rows_and_the_peers(tmp_path, package, impls):
+    if package == "torchtitan":
+        stub_datasets()
+    if package:
+        pytest.importorskip(package)
+    rows = smoke(tmp_path, impls)
+    for impl in impls.split(","):
+        row = rows[impl]
+        assert "error" not in row, row
+        if impl.startswith("liger") or impl == "torchtitan-fp8":  # on CPU: Triton kernels, SM 8.9+ fp8 GEMMs
+            assert "tok_s_gpu" not in row and (row["note"].startswith("needs CUDA") or "not installed" in row["note"])
+            continue
+        assert row["tok_s_gpu"] > 0 and math.isfinite(row["loss"]), row
+        if impl.startswith(("torchao", "tpflash-fp8")):  # same init and data as the bf16 row: close losses
+            reference = rows["plain" if impl.startswith("torchao") else "tpflash-graphs"]["loss"]
+            assert abs(row["loss"] - reference) < 0.02, (row, reference)
+
+
+def test_torchtitan_fp8_converts_its_projections_but_not_the_output(monkeypatch):
+    """torchtitan refuses fp8 without an SM 8.9+ GPU; told it has one, its converter, compile and a
+    training step run on CPU (torch's CPU _scaled_mm)."""
+    stub_datasets()
+    pytest.importorskip("torchtitan.models.llama3")
+    pytest.importorskip("torchao.float8")
+    import torchtitan.components.quantization.float8 as float8
+    from e2e_external import build as build_external
+    monkeypatch.setattr(float8, "has_cuda_capability", lambda *args: True)
+    args = argparse.Namespace(vocab=512, seq=32, batch=2)
+    torch.manual_seed(0)
+    model, loss_fn, _ = build_external("torchtitan-fp8", MODELS["tiny-llama"], args, ONE_PROCESS)
+    block = model.layers["0"]._orig_mod  # compiled per block, as torchtitan's apply_compile does
+    assert type(block.attention.wq).__name__ == "Float8Linear" and type(model.output) is torch.nn.Linear
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    loss = loss_fn(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert math.isfinite(loss.item()) and block.feed_forward.w2.weight.grad is not None
+
+
+def liger_against_plain(device: str) -> tuple:
+    """(plain's loss, liger's loss, the worst relative gradient difference) from one seed and batch."""
+    run_on = SimpleNamespace(**{**vars(ONE_PROCESS), "device": torch.device(device)})
+    args = argparse.Namespace(vocab=512, seq=64, batch=2)
+    models = []
+    for impl in ("plain", "liger"):
+        torch.manual_seed(0)  # the same init: liger is the plain Llama with Liger's kernels
+        models.append(build(impl, MODELS["tiny-llama"], args, run_on)[0])
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    idx = idx.to(device)
+    losses = [m(idx[:, :-1], idx[:, 1:]) for m in models]
+    for loss in losses:
+        loss.backward()
+    worst = max(((p.grad - q.grad).norm() / p.grad.norm()).item()
+                for p, q in zip(models[0].parameters(), models[1].parameters()))
+    return losses[0].item(), losses[1].item(), worst
+
+
+def print_liger_against_plain_in_the_interpreter() -> None:
+    """liger_against_plain on CPU under TRITON_INTERPRET=1: Liger's RoPE and fused linear cross-entropy
+    kernels run in Triton's interpreter; its RMSNorm and SiLU-mul kernels do not run there (liger 0.8.5,
+    Triton 3.9), so references stand in for them: this checks how the peer wires Liger's pieces in."""
+    import torch.nn.functional as F
+    import liger_kernel.ops
+    import liger_kernel.transformers.rms_norm as rms_norm
+
+    def rms(x, weight, eps, *modes):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    liger_kernel.ops.LigerSiLUMulFunction = SimpleNamespace(apply=lambda a, b: F.silu(a) * b)
+    rms_norm.LigerRMSNormFunction = SimpleNamespace(apply=rms)
+    print(json.dumps(liger_against_plain("cpu")))
+
+
+@pytest.mark.slow
+def test_the_liger_peer_wires_in_ligers_kernels_like_the_plain_peer_on_cpu():
+    pytest.importorskip("liger_kernel.transformers")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import tests.test_bench_peers as t; t.print_liger_against_plain_in_the_interpreter()"
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    plain, liger, worst = json.loads(run.stdout.strip().splitlines()[-1])
+    assert abs(plain - liger) < 1e-5 and worst < 1e-5, (plain, liger, worst)
+
+
+@pytest.mark.gpu
+def test_the_liger_peer_computes_the_plain_peers_loss_and_gradients():
+    """On CUDA with every Liger kernel (fp32)."""
+    pytest.importorskip("liger_kernel.transformers")
+    plain, liger, worst = liger_against_plain("cuda")
+    assert abs(plain - liger) < 1e-4 and worst < 1e-3, (plain, liger, worst)
