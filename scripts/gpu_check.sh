@@ -13,6 +13,14 @@
 #                                     dtensor-compile)
 #   bash scripts/gpu_check.sh train   the trainer at tp=2 on 2 GPUs (--config demo): CUDA graphs on for
 #                                     60 steps, checkpointed, then resumed to 100
+#   bash scripts/gpu_check.sh fp8     one GPU: the gpu-marked fp8 tests (fused casts against quantize bit for
+#                                     bit, the _scaled_mm layers, CUDA-graph capture), then the casts' bandwidth
+#                                     (benchmarks/fp8_cast.py)
+#   bash scripts/gpu_check.sh fp8-bench  one GPU: the training step of $MODELS (default llama-1b) in bf16 and
+#                                     each fp8 recipe beside torchao float8 + compile, torchtitan (bf16, float8)
+#                                     and Liger; their wheels from .whl/ (scripts/gpu_wheels.sh) where present
+#   bash scripts/gpu_check.sh fp8-accuracy  one GPU: benchmarks/fp8_accuracy.sh (bf16 and each recipe, 1,000
+#                                     steps of a 1B model; MODES= picks runs), then its table and PNG
 #   bash scripts/gpu_check.sh         tests, then bench
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the symmetric-memory equivalents): some shared
 # machines do not allow it. The fused-dense extension has its own check: benchmarks/fused_dense_check.sh.
@@ -65,10 +73,45 @@ train() {
   timeout 150 $t --train.steps=100 2>&1 | grep "resumed\|step 100\|Error"
 }
 
+fp8() {
+  echo "== fp8: gpu-marked tests (fused casts, fp8 layers, a graphed fp8 GPT) =="
+  timeout 280 $PYTEST -m gpu tests/kernels/test_fp8_cast.py tests/test_fp8_linear.py $WORKERS 2>&1 \
+    | tee "$OUT/fp8_tests.log" | tail -15
+  echo "== fp8: cast bandwidth =="
+  timeout 200 python3 benchmarks/fp8_cast.py 2>&1 | tee "$OUT/fp8_cast.md" | tail -25
+}
+
+peer_wheels() {  # the external peers' wheels (scripts/gpu_wheels.sh), where .whl/ holds them
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: the external peers' rows will say 'not installed'"; return; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+}
+
+fp8_bench() {
+  peer_wheels
+  local e2e="scripts/bench_e2e.py --models ${MODELS:-llama-1b} --batch 4 --seq 2048 --steps ${STEPS:-10} --warmup 3"
+  e2e="$e2e --results $OUT/bench_e2e.jsonl"
+  echo "== training step, one GPU: tpflash bf16 and fp8, plain-compile =="
+  timeout 290 $RUN --nproc_per_node=1 $e2e --tp 1 \
+    --impls tpflash-graphs,tpflash-fp8-rowwise,tpflash-fp8-tensorwise,plain-compile 2>&1 | grep "bench_e2e\]\|Error"
+  echo "== training step, one GPU: torchtitan, torchao float8, Liger =="
+  timeout 290 $RUN --nproc_per_node=1 $e2e --tp 1 --impls torchtitan,torchtitan-fp8,torchao-fp8-compile,\
+torchao-fp8-tensorwise-compile,liger 2>&1 | grep "bench_e2e\]\|Error"
+  python3 scripts/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md"
+}
+
+fp8_accuracy() {
+  OUT=$OUT/fp8_accuracy bash benchmarks/fp8_accuracy.sh
+  python3 benchmarks/fp8_accuracy_plot.py "$OUT/fp8_accuracy" --png "$OUT/fp8_accuracy.png"
+}
+
 case "${1:-all}" in
   tests) tests ;;
   bench) bench ;;
   train) train ;;
+  fp8) fp8 ;;
+  fp8-bench) fp8_bench ;;
+  fp8-accuracy) fp8_accuracy ;;
   all) tests; bench ;;
-  *) echo "usage: bash scripts/gpu_check.sh [tests|bench|train]"; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_check.sh [tests|bench|train|fp8|fp8-bench|fp8-accuracy]"; exit 2 ;;
 esac
