@@ -3,7 +3,6 @@ fp8 and back, scaled along the GEMM's contraction dimension) by an independent r
 backward, for both recipes; and the result stays near the full-precision one."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tpflash.kernels.fp8 import E4M3, E5M2, quantize, scaled_mm
 from tpflash.layers.fp8_linear import fp8_linears

@@ -7,11 +7,12 @@ import torch.distributed as dist
 
 import tpflash
 from tests.distributed.checks import assert_close
+from tests.distributed.test_gpt import twin_models
 from tests.kernels.helpers import needs_interpreter
 from tests.models.reference import assert_grad_close, full_grads
 from tpflash.kernels import use_backend
 from tpflash.models import GPT, GPTConfig
-from tpflash.parallel import comm, set_default_state
+from tpflash.parallel import comm
 from tpflash.parallel.zigzag import zigzag_shard
 
 pytestmark = pytest.mark.cpu_ranks
@@ -24,17 +25,6 @@ def tiny_config(family="llama", sequence_parallel=False, **kw):
     size = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_embd=32, n_head=4,
                 n_kv_head=None if family == "gpt2" else 2, ffn_hidden=64, sequence_parallel=sequence_parallel)
     return GPTConfig.preset(base, **{**size, **kw})
-
-
-def twin_models(ps, config, cp_comm):
-    """(model over the default tp and cp groups, the same model in one process), same seed."""
-    torch.manual_seed(0)
-    model = GPT(config, cp_comm=cp_comm)
-    set_default_state(None)
-    torch.manual_seed(0)
-    single = GPT(config)
-    set_default_state(ps)
-    return model, single
 
 
 def batch(seed=1):
@@ -54,7 +44,7 @@ def average_grads_over_cp(model, ps):
 
 def equal_body(tp, cp, family, sequence_parallel, cp_comm):
     ps = tpflash.parallel.init(tp=tp, cp=cp)
-    model, single = twin_models(ps, tiny_config(family, sequence_parallel), cp_comm)
+    model, single = twin_models(ps, tiny_config(family, sequence_parallel), cp_comm=cp_comm)
     idx, targets = batch()
     logits = comm.all_gather(model(idx).detach().contiguous(), -1, ps.tp_group)[..., :VOCAB]
     assert_close(logits, zigzag_shard(single(idx), 1, ps.cp_rank, cp), "this cp rank's logits")
@@ -71,7 +61,7 @@ def equal_body(tp, cp, family, sequence_parallel, cp_comm):
 def curve_body(tp, cp, cp_comm, steps=20):
     """Per-step |loss(cp) - loss(one process)| over `steps` AdamW steps."""
     ps = tpflash.parallel.init(tp=tp, cp=cp)
-    model, single = twin_models(ps, tiny_config(), cp_comm)
+    model, single = twin_models(ps, tiny_config(), cp_comm=cp_comm)
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (model, single)]
     gaps, losses = [], []
     for step in range(steps):

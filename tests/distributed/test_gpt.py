@@ -20,10 +20,11 @@ def tiny_config(family, sequence_parallel=False, **kw):
                             sequence_parallel=sequence_parallel, **{**size, **kw})
 
 
-def twin_models(ps, config):
-    """(tp model, tp=1 model) built after the same seed."""
+def twin_models(ps, config, **gpt_kwargs):
+    """(model over the default state's groups, the same model in one process), built after the same
+    seed; gpt_kwargs go to the first (e.g. cp_comm)."""
     torch.manual_seed(0)
-    model = GPT(config)
+    model = GPT(config, **gpt_kwargs)
     set_default_state(None)
     torch.manual_seed(0)
     single = GPT(config)
