@@ -58,12 +58,12 @@ def test_fp8_column_and_row_parallel_gemms_equal_their_fake_quantised_reference(
     ranks(tp).run(fp8_pair_body, tp, sequence_parallel, recipe)
 
 
-def fp8_gpt_curve_body(tp, sequence_parallel, recipe, steps=20):
+def fp8_gpt_curve_body(tp, sequence_parallel, recipe, family="llama", steps=20):
     """(losses at tp with fp8, losses of the same fp8 model in one process, losses without fp8)."""
     from tests.distributed.test_gpt import batch, tiny_config, twin_models
     ps = init_tp(tp)
-    model, single = twin_models(ps, tiny_config("llama", sequence_parallel, fp8=recipe))
-    _, exact = twin_models(ps, tiny_config("llama", sequence_parallel))
+    model, single = twin_models(ps, tiny_config(family, sequence_parallel, fp8=recipe))
+    _, exact = twin_models(ps, tiny_config(family, sequence_parallel))
     curves = []
     for m in (model, single, exact):
         opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
@@ -79,9 +79,10 @@ def fp8_gpt_curve_body(tp, sequence_parallel, recipe, steps=20):
     return curves
 
 
-@pytest.mark.parametrize("recipe,sequence_parallel", [("rowwise", True), ("tensorwise", False)])
-def test_a_gpt_with_fp8_trains_at_tp2_like_one_process(ranks, recipe, sequence_parallel):
-    for tp2, single, exact in ranks(2).run(fp8_gpt_curve_body, 2, sequence_parallel, recipe):
+@pytest.mark.parametrize("recipe,sequence_parallel,family", [("rowwise", True, "llama"), ("tensorwise", False, "llama"),
+                                                             ("rowwise", False, "gpt2"), ("tensorwise", True, "gpt2")])
+def test_a_gpt_with_fp8_trains_at_tp2_like_one_process(ranks, recipe, sequence_parallel, family):
+    for tp2, single, exact in ranks(2).run(fp8_gpt_curve_body, 2, sequence_parallel, recipe, family):
         assert tp2[-1] < 4.0  # it learned: ln(101) = 4.6 at the start
         assert max(abs(a - b) for a, b in zip(tp2, single)) < 0.05 * single[0]  # per-shard scales: fp8 rounding apart
         assert abs(tp2[-1] - exact[-1]) < 0.05 * exact[0]
