@@ -195,3 +195,29 @@ def test_a_graphed_fp8_gpt_trains_like_the_eager_one(device, recipe):
     eager, graphed = curve(False), curve(True)
     assert all(torch.isfinite(torch.tensor(graphed)))
     assert max(abs(a - b) for a, b in zip(eager, graphed)) < 1e-3 * eager[0], (eager, graphed)
+
+
+def _pretend_gpu(monkeypatch, capability, name):
+    from tpflash.kernels import fp8
+    fp8._capability.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return fp8
+
+
+def test_fp8_on_a_gpu_without_fp8_matrix_units_is_one_clear_error(monkeypatch):
+    fp8 = _pretend_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"fp8='rowwise' needs a GPU with fp8 matrix units \(compute capability "
+                                         r"8.9 or newer.*cuda:0 \(NVIDIA A100-SXM4-80GB\) is 8.0: train with fp8='off'"):
+        fp8.check_fp8_device("rowwise", "cuda")
+    fp8.check_fp8_device("off", "cuda")  # bf16 GEMMs run anywhere
+    fp8._capability.cache_clear()
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0)])
+def test_fp8_is_accepted_on_ada_hopper_and_newer_and_on_cpu(monkeypatch, capability):
+    fp8 = _pretend_gpu(monkeypatch, capability, "a GPU")
+    fp8.check_fp8_device("tensorwise", torch.device("cuda", 0))
+    fp8.check_fp8_device("rowwise", "cpu")  # the emulated GEMM
+    fp8._capability.cache_clear()

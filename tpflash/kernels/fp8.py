@@ -19,6 +19,7 @@ scales need bf16 output there) and, elsewhere or for shapes it does not take (di
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -109,6 +110,29 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     from .fp8_cast_kernel import triton_amax
     x2 = x.reshape(-1, x.shape[-1])
     return triton_amax(x2 if x2.stride(1) == 1 else x2.contiguous(), per_column=False).amax()
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # fp8 matrix units: Ada (8.9), Hopper (9.0) and newer; Triton's e4m3 casts too
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> Tuple[Tuple[int, int], str]:
+    return torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+
+
+def check_fp8_device(recipe: str, device) -> None:
+    """Raise ValueError, naming the GPU and the rule, where `recipe` ("off", "rowwise", "tensorwise")
+    cannot run its fp8 GEMMs on `device`: a CUDA GPU older than compute capability 8.9. Other
+    devices (CPU) run the emulated GEMM of scaled_mm and pass."""
+    device = torch.device(device)
+    if recipe == "off" or device.type != "cuda":
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    (major, minor), name = _capability(device)
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        raise ValueError(f"fp8={recipe!r} needs a GPU with fp8 matrix units (compute capability 8.9 or newer: "
+                         f"Ada, Hopper, Blackwell); {device} ({name}) is {major}.{minor}: train with fp8='off'")
 
 
 def dequantize(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

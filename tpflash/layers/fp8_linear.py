@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import column_sum
-from ..kernels.fp8 import E4M3, E5M2, cast, scaled_mm, tensor_amax
+from ..kernels.fp8 import E4M3, E5M2, cast, check_fp8_device, scaled_mm, tensor_amax
 from ..parallel import comm
 
 FP8_RECIPES = ("off", "rowwise", "tensorwise")
@@ -159,6 +159,7 @@ def fp8_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequen
         raise ValueError(f"fp8_linears: recipe {recipe!r} must be 'rowwise' or 'tensorwise'")
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise ValueError("fp8_linears: biases must be all present or all None")
+    check_fp8_device(recipe, x.device)
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     sp = None

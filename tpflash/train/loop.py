@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel
+from ..kernels.fp8 import check_fp8_device
 from . import build, packing, resume_config
 from .fingerprint import job_fingerprint
 from .config import TrainConfig, check_values, to_yaml
@@ -53,6 +54,7 @@ class Trainer:
         self.device = self.ps.device
         self.is_main = dist.get_rank() == 0
         self.amp_dtype = build.autocast_dtype(cfg, self.device)
+        check_fp8_device(getattr(self.model_config, "fp8", "off"), self.device)  # every rank alike, before the model
         self._build_model(model_cls, dp)
         self.optimizer = build.make_optimizer(self.model, cfg.train, self.device)
         t = cfg.train
