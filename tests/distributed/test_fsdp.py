@@ -16,17 +16,23 @@ pytestmark = pytest.mark.cpu_ranks  # the tiny models live on CPU: gloo even whe
 STEPS = 3
 
 
-def training_body(tp, hsdp_replicas, reshard_after_forward):
-    ps = init_tp(tp)
-    model = apply_fsdp(build(seed=0), ps, hsdp_replicas=hsdp_replicas, reshard_after_forward=reshard_after_forward)
+def assert_trains_like_one_process(model, data_rank, data_ranks):
+    """Train the sharded model on this rank's rows (rank `data_rank` of `data_ranks`) and the same
+    model in one process on every row; weights and optimizer state must end equal."""
     reference = build(seed=0, tp=False)
     optimizer, ref_optimizer = make_optimizer(model), make_optimizer(reference)
-    train(model, optimizer, range(STEPS), ps.dp_rank, ps.dp_size)
+    train(model, optimizer, range(STEPS), data_rank, data_ranks)
     train(reference, ref_optimizer, range(STEPS))
     got, expected = full_state(model, optimizer), full_state(reference, ref_optimizer)
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert_close(got[key], value, key, tol=1e-5)
+
+
+def training_body(tp, hsdp_replicas, reshard_after_forward):
+    ps = init_tp(tp)
+    model = apply_fsdp(build(seed=0), ps, hsdp_replicas=hsdp_replicas, reshard_after_forward=reshard_after_forward)
+    assert_trains_like_one_process(model, ps.dp_rank, ps.dp_size)
 
 
 @pytest.mark.parametrize("tp,hsdp_replicas,reshard", [(2, 1, True), (1, 1, False), (1, 2, True)],
@@ -44,14 +50,7 @@ def cp_training_body(tp, cp):
         assert p.device_mesh == ps.dp_cp_mesh and p.device_mesh.size() == ps.dp_size * cp, name
         if p.shape[0] % ps.dp_cp_size == 0:
             assert p.to_local().shape[0] == p.shape[0] // ps.dp_cp_size, (name, p.to_local().shape, p.shape)
-    reference = build(seed=0, tp=False)
-    optimizer, ref_optimizer = make_optimizer(model), make_optimizer(reference)
-    train(model, optimizer, range(STEPS), ps.dp_cp_rank, ps.dp_cp_size)
-    train(reference, ref_optimizer, range(STEPS))
-    got, expected = full_state(model, optimizer), full_state(reference, ref_optimizer)
-    assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        assert_close(got[key], value, key, tol=1e-5)
+    assert_trains_like_one_process(model, ps.dp_cp_rank, ps.dp_cp_size)
 
 
 @pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2)], ids=["dp2-cp2", "dp1-cp2-tp2"])
