@@ -4,10 +4,11 @@ from .fsdp import apply_fsdp, block_wrap_policy, size_wrap_policy
 from .parallelize import parallelize
 from .replicate import replicate_over_dp
 from .sharding import ShardSpec, full_state_dict, load_full_state_dict
+from .zero import ShardedOptimizerState
 from .state import (NO_GROUP, ParallelState, check_layout, get_default_state, init, resolve_cp_group,
                     resolve_tp_group, set_default_state, shutdown)
 
 __all__ = ["NO_GROUP", "ParallelState", "ShardSpec", "apply_fsdp", "block_wrap_policy", "check_layout", "comm",
            "full_state_dict", "get_default_state", "init", "load_full_state_dict", "parallelize",
-           "replicate_over_dp", "resolve_cp_group", "resolve_tp_group", "set_default_state", "shutdown",
+           "replicate_over_dp", "ShardedOptimizerState", "resolve_cp_group", "resolve_tp_group", "set_default_state", "shutdown",
            "size_wrap_policy"]

@@ -28,8 +28,8 @@ def tp_sharded_param_ids(model: nn.Module) -> Set[int]:
     return {id(params[key]) for key, _, _ in iter_sharded(model) if key in params}
 
 
-def _grads(model: nn.Module) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
-    return [(p, p.grad) for p in model.parameters() if p.grad is not None]
+def _grads(params: Iterable[torch.nn.Parameter]) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+    return [(p, p.grad) for p in params if p.grad is not None]
 
 
 def _sum_of_squares(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -47,10 +47,14 @@ def _sum_of_squares(grads: List[torch.Tensor], device: torch.device) -> torch.Te
 
 def global_grad_norm(model: nn.Module, tp_group: Optional[dist.ProcessGroup],
                      dp_group: Optional[dist.ProcessGroup], grads_sharded_over_dp: bool,
-                     sharded_ids: Optional[Set[int]] = None) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient (fp32 scalar on the grads' device), equal on all ranks."""
+                     sharded_ids: Optional[Set[int]] = None,
+                     params: Optional[Iterable[torch.nn.Parameter]] = None) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient (fp32 scalar on the grads' device), equal on all ranks.
+
+    grads_sharded_over_dp: each dp rank holds a disjoint part of the gradients (FSDP's shards, or
+    zero1's owned parameters, passed as `params`; default: all of the model's), summed over dp."""
     sharded_ids = tp_sharded_param_ids(model) if sharded_ids is None else sharded_ids
-    pairs = _grads(model)
+    pairs = _grads(model.parameters() if params is None else params)
     device = pairs[0][1].device if pairs else torch.device("cpu")
     sums = torch.stack([  # [tp-sharded, replicated over tp]
         _sum_of_squares([g for p, g in pairs if id(p) in sharded_ids], device),
