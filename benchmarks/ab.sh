@@ -14,8 +14,10 @@ OLD=${OLD:?set OLD to the old tree}; OUT=${OUT:-/tmp/ab}; mkdir -p "$OUT"
 RUN="python3 -m torch.distributed.run --standalone"
 bench() {  # tree tag nproc models impl
   local args="--steps 5 --warmup 2"  # older trees time the collectives alone first unless told not to
-  grep -q no-comm-probe "$1/scripts/bench_e2e.py" && args="$args --no-comm-probe"
-  PYTHONPATH=$1 timeout 150 $RUN --nproc_per_node=$3 $1/scripts/bench_e2e.py $args --tp $3 --models $4 --impls $5 \
+  local script="$1/benchmarks/bench_e2e.py"
+  [ -f "$script" ] || script="$1/scripts/bench_e2e.py"  # where older trees keep it
+  grep -q no-comm-probe "$script" && args="$args --no-comm-probe"
+  PYTHONPATH=$1 timeout 150 $RUN --nproc_per_node=$3 $script $args --tp $3 --models $4 --impls $5 \
     --results "$OUT/ab_$2.jsonl" 2>&1 | grep "bench_e2e\]   " | sed "s/^/$2 /" | cut -c1-330
 }
 TP2_MODELS=${TP2_MODELS:-gpt-1.3b,gpt-2.7b} TP2_IMPL=${TP2_IMPL:-tpflash-nooverlap} TP1_IMPL=${TP1_IMPL:-tpflash}

@@ -3,8 +3,8 @@
 Run under torchrun (one process per GPU; tp = --tp, dp = world/tp; at dp > 1 --dp-mode replicate, the
 default, wraps tpflash and plain in DDP as the trainer's fsdp=auto does where the state fits, fsdp
 shards them with FSDP2; dtensor always uses FSDP2 over dp, as torchtitan composes it with TP):
-    torchrun --nproc_per_node=2 scripts/bench_e2e.py --tp 2 --models gpt-1.3b,gpt-2.7b
-    python scripts/bench_e2e.py --tiny          # CPU/gloo smoke test: never report its timings
+    torchrun --nproc_per_node=2 benchmarks/bench_e2e.py --tp 2 --models gpt-1.3b,gpt-2.7b
+    python benchmarks/bench_e2e.py --tiny          # CPU/gloo smoke test: never report its timings
 Every implementation trains the same model, GPT-2 style (learned positions, LayerNorm, GELU-tanh, tied
 embeddings, biases) or with --models llama-1b Llama style (RoPE, RMSNorm, SwiGLU, GQA, untied head, no
 biases), with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
@@ -21,7 +21,7 @@ biases), with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
   dtensor[-compile]     the plain model under parallelize_module (Colwise/Rowwise/SequenceParallel,
                         loss_parallel), as torchtitan does it, tp>1
   torchtitan[-fp8], torchao-fp8[-tensorwise]-compile, liger[-compile]  the projects a user would pick
-                        instead (scripts/e2e_external.py): Llama models on one GPU; a row whose package
+                        instead (benchmarks/e2e_external.py): Llama models on one GPU; a row whose package
                         is missing (scripts/gpu_wheels.sh) or that has no such model is a note
 Compiled variants compile each block (and, for plain, the head + loss), as torchtitan does.
 Each row is appended as JSON to --results; the table printed at the end covers every row there, so a

@@ -1,4 +1,4 @@
-"""The projects a user would pick instead of tpflash, as rows of scripts/bench_e2e.py (Llama models, one
+"""The projects a user would pick instead of tpflash, as rows of benchmarks/bench_e2e.py (Llama models, one
 GPU): torchtitan's own Llama 3 (bf16, and fp8 through its float8 converter), torchao's float8 training
 on the plain Llama peer, and Liger's kernels on the plain Llama peer. `build` returns what
 bench_e2e.build returns; `skip_reason` says why a row is not run (a GPT-2 model, more than one GPU, a
@@ -70,7 +70,7 @@ def stub_datasets() -> None:
         return
 
     def unavailable(*args, **kwargs):
-        raise RuntimeError("the `datasets` stub of scripts/e2e_external.py loads no data")
+        raise RuntimeError("the `datasets` stub of benchmarks/e2e_external.py loads no data")
     stub, distributed = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
     stub.Dataset, stub.load_dataset, stub.distributed = type("Dataset", (), {}), unavailable, distributed
     distributed.split_dataset_by_node = unavailable

@@ -1,4 +1,4 @@
-"""The peers of scripts/bench_e2e.py: a plain-PyTorch GPT-2 and Llama written the way users write them,
+"""The peers of benchmarks/bench_e2e.py: a plain-PyTorch GPT-2 and Llama written the way users write them,
 and the same models under PyTorch's native DTensor tensor parallelism (torchtitan's plans)."""
 from __future__ import annotations
 

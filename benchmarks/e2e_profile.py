@@ -1,4 +1,4 @@
-"""Exposed communication in a training step, from a profiler trace (for scripts/bench_e2e.py --profile).
+"""Exposed communication in a training step, from a profiler trace (for benchmarks/bench_e2e.py --profile).
 
 A collective is *exposed* when its kernel runs while no compute kernel runs on the device: that
 time is what overlap can still win. From the CUDA kernels of a few profiled steps:
@@ -168,7 +168,7 @@ def profile_exposed_comm(run_step: Callable[[], None], steps: int = 2, trace: st
         for _ in range(steps):
             run_step()
         torch.cuda.synchronize()
-    if trace:  # chrome trace for scripts/trace_lag.py (or chrome://tracing / perfetto)
+    if trace:  # chrome trace for benchmarks/trace_lag.py (or chrome://tracing / perfetto)
         prof.export_chrome_trace(trace)
     kernels = _cuda_kernels(prof)
     comm, exposed = comm_and_exposed(kernels)

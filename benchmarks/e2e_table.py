@@ -1,4 +1,4 @@
-"""The markdown table of scripts/bench_e2e.py's result rows, with TP scaling efficiency."""
+"""The markdown table of benchmarks/bench_e2e.py's result rows, with TP scaling efficiency."""
 from __future__ import annotations
 
 from typing import Dict, Sequence

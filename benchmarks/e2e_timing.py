@@ -1,4 +1,4 @@
-"""Timing one configuration's training step for scripts/bench_e2e.py: the median of steps timed
+"""Timing one configuration's training step for benchmarks/bench_e2e.py: the median of steps timed
 between two syncs (an isolated step), the mean with the host one step ahead (as tpflash's trainer
 runs), the SM clock and power over both, and optionally a profile and a cProfile of one step."""
 from __future__ import annotations

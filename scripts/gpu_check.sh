@@ -6,7 +6,7 @@
 #                                     over NCCL: 2-rank cases on 2 GPUs in bf16 (the copy-engine overlap
 #                                     through peer memory, CUDA-graphed GPT), 4-rank cases on 4 GPUs,
 #                                     skipped where there are fewer
-#   bash scripts/gpu_check.sh bench   a short training-step table (scripts/bench_e2e.py): $MODELS (default
+#   bash scripts/gpu_check.sh bench   a short training-step table (benchmarks/bench_e2e.py): $MODELS (default
 #                                     gpt-1.3b) at tp=1 (tpflash-graphs, plain-compile) and, on 2+ GPUs, at
 #                                     tp=2 (tpflash-graphs, i.e. the library's defaults: the copy-engine
 #                                     overlap where the GPUs map each other's memory; tpflash-graphs-serial;
@@ -49,7 +49,7 @@ tests() {
 }
 
 bench() {
-  local e2e="scripts/bench_e2e.py --steps ${STEPS:-5} --warmup 2 --results $OUT/bench_e2e.jsonl"
+  local e2e="benchmarks/bench_e2e.py --steps ${STEPS:-5} --warmup 2 --results $OUT/bench_e2e.jsonl"
   local models=${MODELS:-gpt-1.3b}
   echo "== training step, tp=1 =="
   timeout 200 $RUN --nproc_per_node=1 $e2e --tp 1 --models "$models" --impls tpflash-graphs,plain-compile \
@@ -59,7 +59,7 @@ bench() {
     timeout 300 $RUN --nproc_per_node=2 $e2e --tp 2 --models "$models" \
       --impls tpflash-graphs,tpflash-graphs-serial,dtensor-compile 2>&1 | grep "bench_e2e\]\|Error"
   fi
-  python3 scripts/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md"
+  python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md"
 }
 
 train() {
@@ -89,7 +89,7 @@ peer_wheels() {  # the external peers' wheels (scripts/gpu_wheels.sh), where .wh
 
 fp8_bench() {
   peer_wheels
-  local e2e="scripts/bench_e2e.py --models ${MODELS:-llama-1b} --batch 4 --seq 2048 --steps ${STEPS:-10} --warmup 3"
+  local e2e="benchmarks/bench_e2e.py --models ${MODELS:-llama-1b} --batch 4 --seq 2048 --steps ${STEPS:-10} --warmup 3"
   e2e="$e2e --results $OUT/bench_e2e.jsonl"
   echo "== training step, one GPU: tpflash bf16 and fp8, plain-compile =="
   timeout 290 $RUN --nproc_per_node=1 $e2e --tp 1 \
@@ -97,7 +97,7 @@ fp8_bench() {
   echo "== training step, one GPU: torchtitan, torchao float8, Liger =="
   timeout 290 $RUN --nproc_per_node=1 $e2e --tp 1 --impls torchtitan,torchtitan-fp8,torchao-fp8-compile,\
 torchao-fp8-tensorwise-compile,liger 2>&1 | grep "bench_e2e\]\|Error"
-  python3 scripts/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md"
+  python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md"
 }
 
 fp8_accuracy() {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The external peers of scripts/bench_e2e.py (scripts/e2e_external.py) as wheels in .whl/ (git-ignored),
+# The external peers of benchmarks/bench_e2e.py (benchmarks/e2e_external.py) as wheels in .whl/ (git-ignored),
 # for a GPU host with Python 3.12 (manylinux x86_64) and torch 2.11+ on CUDA 13 that cannot reach
 # the package index: run this where pip can, copy .whl/ over, install there, then benchmark.
 #
@@ -18,7 +18,7 @@
 # On the GPU host, in the repository with .whl/ copied in:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-#   python3 scripts/bench_e2e.py --models llama-1b --batch 4 --seq 2048
+#   python3 benchmarks/bench_e2e.py --models llama-1b --batch 4 --seq 2048
 # (where pip reaches the index, `pip install torchtitan==0.2.2 torchao==0.18.0 liger-kernel==0.8.5`
 # does the same). .whl/ must hold one version of each package (two stop the install): delete stale ones.
 set -euo pipefail

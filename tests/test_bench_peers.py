@@ -1,6 +1,6 @@
-"""The plain-PyTorch peers that scripts/bench_e2e.py times tpflash against compute the same model:
+"""The plain-PyTorch peers that benchmarks/bench_e2e.py times tpflash against compute the same model:
 loaded with tpflash's weights, they train alike (on CPU). The external peers (torchtitan, torchao,
-Liger: scripts/e2e_external.py) are rows with a note where their package is missing, and run in the
+Liger: benchmarks/e2e_external.py) are rows with a note where their package is missing, and run in the
 --tiny smoke run where it is installed (CI has none of them)."""
 import argparse
 import json
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from bench_e2e import IMPLS, MODELS, build, make_optimizer, parse_args, run_config  # noqa: E402
 from e2e_external import EXTERNAL, PACKAGES, stub_datasets, skip_reason  # noqa: E402
 from e2e_peers import load_tpflash_weights, plain_key  # noqa: E402
@@ -75,9 +75,9 @@ def test_tpflash_keys_map_onto_the_plain_peers_names():
     assert plain_key("final_norm.weight", llama=False) == "norm.weight"
 
 
-# ---- the external peers (scripts/e2e_external.py): torchtitan, torchao, Liger ----------------------
+# ---- the external peers (benchmarks/e2e_external.py): torchtitan, torchao, Liger ----------------------
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_e2e.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_e2e.py")
 SOLO = SimpleNamespace(**vars(ONE_PROCESS), dp_rank=0, rank=0)
 
 
@@ -116,7 +116,7 @@ def test_torchtitan_builds_llama_1b_with_its_swiglu_width():
 
 
 def smoke(tmp_path, impls):
-    """The rows of `python scripts/bench_e2e.py --tiny --models tiny-llama --impls IMPLS`."""
+    """The rows of `python benchmarks/bench_e2e.py --tiny --models tiny-llama --impls IMPLS`."""
     results = tmp_path / "rows.jsonl"
     run = subprocess.run([sys.executable, SCRIPT, "--tiny", "--models", "tiny-llama", "--impls", impls,
                           "--results", str(results)], capture_output=True, text=True, timeout=900)
