@@ -1,4 +1,4 @@
-"""fsdp=auto shards over dp only where the replicated weights, gradients and AdamW state would not fit."""
+"""fsdp=auto: zero1 (AdamW state sharded, weights replicated) where that fits in half the device, else FSDP."""
 import pytest
 
 from tests.train.common import tiny_config, write_corpus
@@ -11,34 +11,34 @@ H100 = 80 * GIB
 
 
 @pytest.mark.parametrize("dp", [1, 4])
-def test_an_explicit_setting_is_obeyed_at_any_dp(dp):
-    assert fsdp_choice("on", dp, 10, H100) == (True, "")
-    assert fsdp_choice("off", dp, 10**12, H100) == (False, "")
+@pytest.mark.parametrize("setting", ["on", "off", "zero1"])
+def test_an_explicit_setting_is_obeyed_at_any_dp(dp, setting):
+    assert fsdp_choice(setting, dp, 10**12, H100) == (setting, "")
 
 
 def test_auto_never_shards_a_single_replica():
-    assert fsdp_choice("auto", 1, 10**12, H100) == (False, " (auto: dp=1)")
+    assert fsdp_choice("auto", 1, 10**12, H100) == ("off", " (auto: dp=1)")
 
 
-def test_auto_replicates_what_fits_in_half_the_device():
-    on, why = fsdp_choice("auto", 4, 650_000_000, H100)  # gpt-1.3b at tp=2: 10.4 GB of state per rank
-    assert not on and "9.69 GiB per rank, device 80 GiB: replicated over dp" in why
+def test_auto_shards_the_optimizer_state_where_weights_and_gradients_fit_in_half_the_device():
+    mode, why = fsdp_choice("auto", 4, 2_000_000_000, H100)  # llama-3-8b at tp=4: 10 bytes/param = 18.6 GiB
+    assert mode == "zero1" and "AdamW's state 18.63 GiB per rank, device 80 GiB" in why, why
 
 
-def test_auto_shards_what_would_take_more_than_half_the_device():
-    on, why = fsdp_choice("auto", 4, 3_500_000_000, H100)  # a 7B model at tp=2: 56 GB of state per rank
-    assert on and "52.15 GiB per rank, device 80 GiB: more than half" in why
+def test_auto_shards_everything_where_that_would_take_more_than_half_the_device():
+    mode, why = fsdp_choice("auto", 4, 8_000_000_000, H100)  # llama-3-8b at tp=1: 74.5 GiB per rank under zero1
+    assert mode == "on" and "74.51 GiB per rank, device 80 GiB: more than half" in why, why
 
 
 def fsdp_body(cfg):
     trainer = Trainer(cfg, TinyConfig, TinyLM)
-    return trainer.fsdp, trainer.fsdp_why
+    return trainer.dp_mode, trainer.dp_mode_why
 
 
 @pytest.mark.cpu_ranks
 def test_every_rank_of_a_dp2_run_makes_the_same_auto_choice(ranks, tmp_path):
     corpus = write_corpus(str(tmp_path))
     auto = ranks(2).run(fsdp_body, tiny_config(corpus, tp=1))
-    assert auto[0] == auto[1] and auto[0][0] is False, "a tiny model is replicated over dp"
+    assert auto[0] == auto[1] and auto[0][0] == "zero1", "a tiny model keeps its weights whole on every rank"
     forced = ranks(2).run(fsdp_body, tiny_config(corpus, tp=1, fsdp="on"))
-    assert forced == [(True, ""), (True, "")]
+    assert forced == [("on", ""), ("on", "")]

@@ -158,15 +158,16 @@ def test_cuda_graphs_auto_is_off_on_cpu_and_on_names_what_stands_in_the_way(corp
     assert auto is False and "dropout=0.1" in why
 
 
-@pytest.mark.parametrize("tp, dp, on", [(1, 1, True), (1, 2, False), (2, 1, True), (2, 4, True)])
-def test_cuda_graphs_auto_graphs_on_cuda_except_tp1_replicated_over_dp(corpus, tp, dp, on):
+@pytest.mark.parametrize("tp, dp, dp_mode, on", [(1, 1, "off", True), (1, 2, "off", False), (1, 2, "zero1", True),
+                                                (2, 1, "off", True), (2, 4, "off", True), (2, 4, "zero1", True)])
+def test_cuda_graphs_auto_graphs_on_cuda_except_tp1_replicated_by_ddp(corpus, tp, dp, dp_mode, on):
     # the rule only reads the device's type: no GPU needed to check it
     from tpflash.models import GPT, GPTConfig
     from tpflash.train import build
     model = GPT(GPTConfig.preset("gpt2-tiny", n_layer=1, n_embd=32))
     cfg = tiny_config(corpus, cuda_graphs="auto")
     cfg.tp = tp
-    graphs, why = build.use_cuda_graphs(cfg, model, torch.device("cuda"), dp)
+    graphs, why = build.use_cuda_graphs(cfg, model, torch.device("cuda"), dp, dp_mode)
     assert graphs is on, why
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Optional
+from typing import Collection, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -204,13 +204,16 @@ def _agreed_path(root: str) -> str:
     return mine
 
 
-def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **extra) -> dict:
+def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+         optimizer_state_of: Optional[Collection[str]] = None, **extra) -> dict:
     """Load a checkpoint (a step directory, or root's latest) into `model` (and `optimizer`) at any (dp, tp).
 
     Verifies every file's checksum first (CheckpointCorruptError on every rank, naming the
     file). The optimizer gets its state and its saved hyper-parameters (as torch's load_state_dict
     gives them), but keeps its own fused/foreach/capturable/differentiable settings: they belong
-    to the device it runs on. Extras passed by name are restored in place; returns {"step": ..., other extras}.
+    to the device it runs on. `optimizer_state_of`: the names of the parameters whose optimizer state
+    this rank keeps (a sharded optimizer's own, tpflash.parallel.ShardedOptimizerState.owned_names);
+    None: every parameter's. Extras passed by name are restored in place; returns {"step": ..., other extras}.
     RNG states are restored when the world size equals the saving one. Call on every rank.
     """
     root = os.fspath(root)
@@ -227,7 +230,7 @@ def load(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if optimizer is not None:
         if optim.GROUPS_KEY not in metadata.state_dict_metadata:
             raise ValueError(f"checkpoint {path} holds no optimizer state (saved without optimizer=)")
-        opt_targets, pending = optim.load_targets(model, optimizer, slots, metadata)
+        opt_targets, pending = optim.load_targets(model, optimizer, slots, metadata, optimizer_state_of)
         targets.update(opt_targets)
     has_meta, rng_keys = split_meta_keys(metadata.state_dict_metadata)
     if not has_meta:

@@ -9,7 +9,7 @@ parameter names in place of indices.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -78,8 +78,10 @@ def _saved_state_keys(metadata: Metadata) -> Dict[str, List[str]]:
 
 
 def load_targets(model: nn.Module, optimizer: torch.optim.Optimizer, model_slots: List[TensorSlot],
-                 metadata: Metadata) -> Tuple[Dict[str, object], list]:
+                 metadata: Metadata, state_of: Optional[Collection[str]] = None) -> Tuple[Dict[str, object], list]:
     """(entries for dcp.load to fill, the pending (name, k, slot, buffer) list `apply_loaded` finishes).
+
+    state_of: the parameters whose state is loaded (a sharded optimizer keeps its own only); None: all.
 
     Raises ValueError before any I/O when the checkpoint has state for parameters the model lacks.
     """
@@ -92,6 +94,8 @@ def load_targets(model: nn.Module, optimizer: torch.optim.Optimizer, model_slots
     targets: Dict[str, object] = {GROUPS_KEY: None}
     pending = []
     for name, keys in saved.items():
+        if state_of is not None and name not in state_of:
+            continue
         slot = params[name]
         for k in keys:
             key = f"{STATE_PREFIX}{name}.{k}"

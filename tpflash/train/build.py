@@ -138,8 +138,10 @@ def restore_optimizer_settings(optimizer: torch.optim.Optimizer, settings: List[
     return changed
 
 
-# fp32 weight, fp32 gradient and AdamW's two fp32 moments: what every dp rank holds without FSDP
+# fp32 weight, fp32 gradient and AdamW's two fp32 moments: what every dp rank holds without sharding
 REPLICATED_BYTES_PER_PARAM = 16
+# the trainer's fsdp values: how the dp (x cp) ranks hold the model
+DP_MODES = ("auto", "off", "zero1", "on")
 
 
 def device_memory(device: torch.device) -> int:
@@ -166,23 +168,26 @@ def agreed_fsdp_inputs(model: nn.Module, ps) -> Tuple[int, int]:
     return int(both[0]), -int(both[1])
 
 
-def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[bool, str]:
-    """(shard over dp with FSDP?, why: "" when set explicitly) for fsdp=on/off/auto.
+def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[str, str]:
+    """(how the dp ranks hold the model: "off" | "zero1" | "on", why: "" when set explicitly).
 
-    auto: FSDP only at dp > 1 when the replicated state (16 bytes per parameter a rank holds after
-    tp) would take more than half of `memory`. Below that, replicating it is faster: on one H100,
-    FSDP cost gpt-1.3b 36-43% of its tokens/s even at dp=1, and at tp > 1 it also turns the CUDA
-    graphs off (docs/performance.md, "FSDP against replication"). Every rank must pass the same numbers
-    (agreed_fsdp_inputs), so that all choose alike."""
+    off: replicated, gradients all-reduced by DDP. zero1: parameters and gradients replicated,
+    AdamW's state sharded over dp (tpflash.parallel.zero; 8 + 8/dp bytes per parameter). on: FSDP2,
+    everything sharded. auto, at dp > 1: zero1 where its state takes at most half of `memory`, else
+    FSDP. zero1 keeps the CUDA-graphed blocks that FSDP turns off, and its step is as fast as DDP's
+    with less memory (docs/performance.md, "Sharded data parallelism"). Every rank must pass the same
+    numbers (agreed_fsdp_inputs), so that all choose alike."""
     if setting != "auto":
-        return setting == "on", ""
+        return setting, ""
     if dp == 1:
-        return False, " (auto: dp=1)"
-    state = REPLICATED_BYTES_PER_PARAM * local_params
-    where = f"weights, gradients and AdamW state {state / 2**30:.2f} GiB per rank, device {memory / 2**30:.0f} GiB"
+        return "off", " (auto: dp=1)"
+    from ..parallel.zero import bytes_per_param
+    state = bytes_per_param(dp) * local_params
+    where = (f"weights and gradients + 1/{dp} of AdamW's state {state / 2**30:.2f} GiB per rank, "
+             f"device {memory / 2**30:.0f} GiB")
     if 2 * state > memory:
-        return True, f" (auto: {where}: more than half)"
-    return False, f" (auto: {where}: replicated over dp, gradients all-reduced by DDP)"
+        return "on", f" (auto: {where}: more than half, so FSDP shards the weights too)"
+    return "zero1", f" (auto: {where})"
 
 
 def check_context_parallel(cfg: TrainConfig, model_config, seq_len: int, packed: bool, model_cls) -> None:
@@ -222,7 +227,8 @@ PACKED_GRAPHS_RULE = ("cuda_graphs=on is not possible with data.format=jsonl: pa
                       "document boundaries every batch, which captured graphs cannot replay; use cuda_graphs=auto or off")
 
 
-def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp_size: int) -> Tuple[bool, str]:
+def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp_size: int,
+                    dp_mode: str = "off") -> Tuple[bool, str]:
     """(capture the model's blocks as CUDA graphs?, why) for cuda_graphs=auto/on/off; call it after
     FSDP has been applied (its parameters are one of the things that stand in the way).
 
@@ -231,8 +237,9 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp
     "End-to-end, two H200s"), and at tp=1 with dp=1, where the graphs measured as fast or faster than
     the eager step (+1-3% on gpt-1.3b and llama-1b, more where the host stalls; "CUDA graphs in the
     trainer"). At
-    tp=1 with dp > 1 it stays eager: DDP's all-reduces then run during the eager backward, whereas
-    a graphed backward hands DDP every gradient at its end. on: wherever possible (CPU runs an eager
+    tp=1 with dp > 1 under DDP (dp_mode "off") it stays eager: DDP's all-reduces then run during the
+    eager backward, whereas a graphed backward hands DDP every gradient at its end; zero1 reduces
+    after the backward either way, so it keeps the graphs. on: wherever possible (CPU runs an eager
     stand-in), ValueError naming what stands in the way. Packed fine-tuning data (data.format=jsonl)
     always runs eager: auto is off, on a ValueError.
     """
@@ -262,8 +269,9 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp
         return True, "on" + (" (CPU: eager stand-in, no speed-up)" if device.type != "cuda" else "")
     if device.type != "cuda":
         return False, "auto: off (CPU)"
-    if cfg.tp == 1 and dp_size > 1:
+    if cfg.tp == 1 and dp_size > 1 and dp_mode == "off":
         return False, "auto: off (tp=1 at dp > 1: DDP overlaps its all-reduces with the eager backward)"
     if blocker:
         return False, f"auto: off ({blocker})"
-    return True, "auto: on (CUDA, " + ("tp > 1)" if cfg.tp > 1 else "tp=1 at dp=1)")
+    why = "tp > 1" if cfg.tp > 1 else "tp=1 at dp=1" if dp_size == 1 else "tp=1, fsdp=zero1"
+    return True, f"auto: on (CUDA, {why})"

@@ -69,13 +69,14 @@ class Trainer:
         self.changed_settings = []  # the optimizer settings the config changed against the checkpoint
         self.resumed_from = self._resume()
         # after loading: the graphs replay on the parameter tensors they were captured with
-        self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device, self.ps.dp_size)
+        self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device, self.ps.dp_size,
+                                                                       self.dp_mode)
         if self.cuda_graphs:
             with build.autocast(self.device, self.amp_dtype):
                 self.model.capture_cuda_graphs(self.plan.micro, self.seq_len)
         # replicated over dp (x cp): the training forward goes through DDP, whose backward all-reduces the
-        # gradients bucket by bucket as they become ready (None under FSDP or at dp=1)
-        replicated = not self.fsdp and self.ps.dp_cp_size > 1
+        # gradients bucket by bucket as they become ready (None under FSDP or zero1, or at dp=1)
+        replicated = self.dp_mode == "off" and self.ps.dp_cp_size > 1
         self.ddp = parallel.replicate_over_dp(self.model, self.ps) if replicated else None
         self._train_forward = self.model if self.ddp is None else self.ddp
 
@@ -125,9 +126,10 @@ class Trainer:
             self.model = model_cls(self.model_config, process_group=None, device=self.device,
                                    **build.context_parallel_kwargs(self.cfg))
         self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
-        # the dp x cp ranks hold the same parameters: FSDP shards over them all
-        self.fsdp, self.fsdp_why = build.fsdp_choice(self.cfg.fsdp, dp * self.cfg.cp,
-                                                     *build.agreed_fsdp_inputs(self.model, self.ps))
+        # the dp x cp ranks hold the same parameters: FSDP (or zero1) shards over them all
+        self.dp_mode, self.dp_mode_why = build.fsdp_choice(self.cfg.fsdp, dp * self.cfg.cp,
+                                                           *build.agreed_fsdp_inputs(self.model, self.ps))
+        self.fsdp = self.dp_mode == "on"
         if self.fsdp:
             parallel.apply_fsdp(self.model, self.ps)
             self.sharded_ids = tp_sharded_param_ids(self.model)
@@ -136,6 +138,9 @@ class Trainer:
             self.sharded_ids = tp_sharded_param_ids(self.model)  # to_empty may have swapped the parameters
             if not self._checkpoint_to_resume():  # a resumed run has trained past these weights; load fills all
                 pretrained.load_pretrained_weights(self.model, self.init_from, hf_files)
+        # zero1: the parameters move into flat buffers (same Parameter objects) before the optimizer,
+        # the checkpoint load (in place) and the graph capture (which keeps their addresses)
+        self.zero = parallel.ShardedOptimizerState(self.model, self.ps) if self.dp_mode == "zero1" else None
 
     # ---------------------------------------------------------------- checkpoints
     def _checkpoint_warning(self, message: str) -> None:
@@ -178,7 +183,9 @@ class Trainer:
             return None
         from .. import checkpoint
         configured = build.optimizer_settings(self.optimizer)  # the config's; the checkpoint gives moments and step
-        info = checkpoint.load(path, self.model, self.optimizer, scheduler=self.schedule, data=self.sampler)
+        owned = self.zero.owned_names if self.zero is not None else None  # zero1: only this rank's state
+        info = checkpoint.load(path, self.model, self.optimizer, optimizer_state_of=owned, scheduler=self.schedule,
+                               data=self.sampler)
         self.changed_settings = build.restore_optimizer_settings(self.optimizer, configured)
         self.step = self._saved_step = int(info["step"])
         if self.schedule.step_count != self.step:
@@ -274,12 +281,20 @@ class Trainer:
                 (loss / divisor).backward()
             loss_sum += loss.detach().float()
         self.sampler.advance(plan.batch_size)
-        norm = global_grad_norm(self.model, ps.tp_group, ps.dp_cp_group, self.fsdp, self.sharded_ids)
+        if self.zero is not None:  # each rank's own parameters' gradients, averaged over dp
+            self.zero.reduce_gradients()
+        params = self.model.parameters() if self.zero is None else self.zero.owned_params
+        norm = global_grad_norm(self.model, ps.tp_group, ps.dp_cp_group, self.dp_mode != "off", self.sharded_ids,
+                                params=params)
         first_bad = (self._first_nonfinite < 0) & ~torch.isfinite(norm)
         self._first_nonfinite = torch.where(first_bad, self.step + 1, self._first_nonfinite)
         lr = self.schedule.lr
-        clipped_step(self.optimizer, self.model.parameters(), norm, self.cfg.train.clip)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is None:
+            clipped_step(self.optimizer, self.model.parameters(), norm, self.cfg.train.clip)
+            self.optimizer.zero_grad(set_to_none=True)
+        else:  # the step on the owned parameters, then every rank's updated ones gathered in place
+            self.zero.step(lambda: clipped_step(self.optimizer, params, norm, self.cfg.train.clip))
+            self.zero.zero_grad()
         self.schedule.step()
         self.step += 1
         return {"loss": loss_sum / divisor, "grad_norm": norm, "lr": lr}
@@ -330,7 +345,7 @@ class Trainer:
         cp = f" cp={ps.cp_size} ({self.cfg.cp_comm})" if ps.cp_size > 1 else ""
         fp8 = getattr(self.model_config, "fp8", "off")
         out.note(f"layout: tp={ps.tp_size}{cp} dp={ps.dp_size} (world {ps.world_size}, {self.device.type}), "
-                 f"fsdp={'on' if self.fsdp else 'off'}{self.fsdp_why}, compute dtype {self.amp_dtype or torch.float32}"
+                 f"fsdp={self.dp_mode}{self.dp_mode_why}, compute dtype {self.amp_dtype or torch.float32}"
                  f"{'' if fp8 == 'off' else f' (fp8 {fp8} GEMMs)'}, cuda graphs {self.cuda_graphs_why}")
         out.note(f"model: {params / 1e6:.2f}M parameters, seq {self.seq_len}; batch {plan.batch_size} = dp {plan.dp}"
                  f" x accum {plan.grad_accum} x micro {plan.micro}; {len(self.train_data)} train / "
