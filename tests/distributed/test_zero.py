@@ -43,11 +43,11 @@ def _ddp_step(model, ddp, optimizer, ps, loss):
     return norm
 
 
-def _train(step_fn, forward, model, wrapper, optimizer, ps, data_rank, data_ranks, accum=1):
-    """STEPS steps on this rank's rows of each global batch, in `accum` micro-batches; the norms."""
+def _train(step_fn, forward, model, wrapper, optimizer, ps, data_rank, data_ranks, accum=1, steps=STEPS):
+    """`steps` steps on this rank's rows of each global batch, in `accum` micro-batches; the norms."""
     norms = []
     per_rank = BATCH // data_ranks
-    for step in range(STEPS):
+    for step in range(steps):
         ids, targets = batch(step)
         rows = range(data_rank * per_rank, (data_rank + 1) * per_rank)
         micro = per_rank // accum
@@ -116,3 +116,4 @@ def test_zero1_holds_weights_gradients_and_a_dp_share_of_the_adam_state(ranks):
         assert 4 * n <= held["params"] <= 4 * (n + 64 * 4 * len(list(build().parameters())))
         assert held["grads"] == held["params"]
         assert adam < 8 * n * 0.6, f"a rank of 4 holds {adam} of {8 * n} bytes of AdamW state"
+
