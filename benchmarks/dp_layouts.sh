@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# At dp > 1, which is faster: FSDP (fsdp=on; it turns the CUDA graphs off, so the blocks run eagerly)
-# or fsdp=off (the graphs stay on; DDP all-reduces the gradients over dp once per step; what fsdp=auto
-# picks where the replicated state fits in half the device)?
-# The trainer on 4 GPUs at tp=2 dp=2, gpt-1.3b, 4 x 2048 tokens per rank and step, byte-level text
-# with the 50304 vocabulary; each layout for $STEPS steps (default 40), logged every 10:
-#   OUT=<dir> bash benchmarks/dp_layouts.sh [extra trainer overrides]
-# Prints the layout line and the [train] lines of each run, tagged; metrics under $OUT/dp_<tag>.
-# NPROC=1 TP=1 runs it on one GPU.
+# The trainer in each way of holding the model over dp (fsdp=on: FSDP2, eager blocks; zero1: AdamW's
+# state sharded, CUDA-graphed blocks; off: replicated, DDP), on byte-level text from the standard library.
+#   OUT=<dir> [PRESET=gpt-1.3b] [VOCAB=50304] [NPROC=4] [TP=2] [MODES="on zero1 off"] [MICRO=4] [SEQ=2048] \
+#     [STEPS=40] bash benchmarks/dp_layouts.sh [extra trainer overrides]
+# Each run: PRESET's model (tpflash.models.config presets, e.g. llama-1b, or llama-3-8b with VOCAB=128256)
+# with a VOCAB-wide embedding and head (the byte tokenizer uses the first 256 ids), MICRO x SEQ
+# tokens per rank and step, $STEPS steps logged every 10. Prints the layout line and the [train] lines
+# of each run, tagged; metrics under $OUT/dp_<mode>. A layout that does not fit prints its error line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -14,12 +14,14 @@ OUT=${OUT:-/tmp/tpflash-dp}; mkdir -p "$OUT"
 RUN="python3 -m torch.distributed.run --standalone"
 NPROC=${NPROC:-4}
 TP=${TP:-2}
+MICRO=${MICRO:-4}
 nvidia-smi -L
-for fsdp in on off; do
-  timeout 280 $RUN --nproc_per_node="$NPROC" -m tpflash.train --config gpt-1.3b --tp="$TP" \
-    --fsdp=$fsdp --data.path=@stdlib --data.include='*.py' --data.format=text --data.tokenizer=byte \
-    --data.max_bytes=20000000 --model.vocab_size=50304 --train.batch_size=$((4 * NPROC / TP)) \
-    --train.micro_batch_size=4 --train.warmup_steps=5 --train.steps="${STEPS:-40}" --train.eval_interval=1000 \
-    --train.eval_batches=1 --checkpoint.dir= --log.interval=10 --log.progress=lines --log.dir="$OUT/dp_fsdp_$fsdp" \
-    "$@" 2>&1 | grep -E "^layout|^\[train\]|Error|error" | sed "s/^/fsdp=$fsdp /"
+for fsdp in ${MODES:-on zero1 off}; do
+  timeout "${RUN_TIMEOUT:-280}" $RUN --nproc_per_node="$NPROC" -m tpflash.train --config llama-style \
+    --model.preset="${PRESET:-gpt-1.3b}" --model.vocab_size="${VOCAB:-50304}" --tp="$TP" --fsdp=$fsdp --data.path=@stdlib --data.include='*.py' \
+    --data.format=text --data.tokenizer=byte --data.max_bytes=20000000 --data.seq_len="${SEQ:-2048}" \
+    --train.batch_size=$((MICRO * NPROC / TP)) --train.micro_batch_size="$MICRO" --train.warmup_steps=5 \
+    --train.steps="${STEPS:-40}" --train.eval_interval=1000 --train.eval_batches=1 --checkpoint.dir= \
+    --log.interval=10 --log.progress=lines --log.dir="$OUT/dp_$fsdp" \
+    "$@" 2>&1 | grep -E "^layout|^model|^\[train\]|Error|error" | sed "s/^/fsdp=$fsdp /"
 done
