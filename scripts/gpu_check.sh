@@ -21,6 +21,10 @@
 #                                     and Liger; their wheels from .whl/ (scripts/gpu_wheels.sh) where present
 #   bash scripts/gpu_check.sh fp8-accuracy  one GPU: benchmarks/fp8_accuracy.sh (bf16 and each recipe, 1,000
 #                                     steps of a 1B model; MODES= picks runs), then its table and PNG
+#   bash scripts/gpu_check.sh dp      4 GPUs: zero1 against DDP over NCCL, then the training step of $MODELS
+#                                     (default llama-1b) at tp=1 x dp=4 and tp=2 x dp=2 in each way of holding
+#                                     the model over dp (zero1 graphed, DDP eager and graphed, FSDP2) beside
+#                                     torchtitan (FSDP2, TP), with its wheels from .whl/ where present
 #   bash scripts/gpu_check.sh         tests, then bench
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the symmetric-memory equivalents): some shared
 # machines do not allow it. The fused-dense extension has its own check: benchmarks/fused_dense_check.sh.
@@ -100,6 +104,24 @@ torchao-fp8-tensorwise-compile,liger 2>&1 | grep "bench_e2e\]\|Error"
   python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md"
 }
 
+dp() {  # the ways of holding the model over dp, on 4 GPUs, beside torchtitan (its wheels from .whl/)
+  [ "$GPUS" -ge 4 ] || { echo "dp needs 4 GPUs"; return 1; }
+  peer_wheels
+  echo "== zero1 against DDP over NCCL (4 ranks) =="
+  timeout 150 $PYTEST tests/distributed/test_zero_device.py 2>&1 | tee "$OUT/zero_nccl.log" | tail -5
+  local e2e="benchmarks/bench_e2e.py --models ${MODELS:-llama-1b} --batch 4 --seq 2048 --steps ${STEPS:-8} --warmup 3"
+  e2e="$e2e --results $OUT/bench_dp.jsonl"
+  local tp
+  for tp in 1 2; do
+    echo "== training step, 4 GPUs, tp=$tp x dp=$((4 / tp)): zero1, DDP, FSDP2, torchtitan =="
+    timeout 200 $RUN --nproc_per_node=4 $e2e --tp $tp --dp-mode zero1 --impls tpflash-graphs 2>&1 | grep "bench_e2e\]\|Error"
+    timeout 200 $RUN --nproc_per_node=4 $e2e --tp $tp --dp-mode replicate --impls tpflash,tpflash-graphs 2>&1 \
+      | grep "bench_e2e\]\|Error"
+    timeout 280 $RUN --nproc_per_node=4 $e2e --tp $tp --dp-mode fsdp --impls tpflash,torchtitan 2>&1 | grep "bench_e2e\]\|Error"
+  done
+  python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_dp.jsonl" --table "$OUT/table_dp.md"
+}
+
 fp8_accuracy() {
   OUT=$OUT/fp8_accuracy bash benchmarks/fp8_accuracy.sh
   python3 benchmarks/fp8_accuracy_plot.py "$OUT/fp8_accuracy" --png "$OUT/fp8_accuracy.png"
@@ -112,6 +134,7 @@ case "${1:-all}" in
   fp8) fp8 ;;
   fp8-bench) fp8_bench ;;
   fp8-accuracy) fp8_accuracy ;;
+  dp) dp ;;
   all) tests; bench ;;
-  *) echo "usage: bash scripts/gpu_check.sh [tests|bench|train|fp8|fp8-bench|fp8-accuracy]"; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_check.sh [tests|bench|train|fp8|fp8-bench|fp8-accuracy|dp]"; exit 2 ;;
 esac

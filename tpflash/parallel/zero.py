@@ -33,9 +33,9 @@ import contextlib
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from .comm import _issue_all_gather, _issue_reduce_scatter
 from .state import ParallelState
 
 # each parameter's view starts at a multiple of this many elements (256 bytes in fp32): vector loads
@@ -132,7 +132,7 @@ class ShardedOptimizerState:
         for b in self.buffers:
             own = b.segment_of(b.grads)
             if self.ranks > 1:
-                dist.reduce_scatter_tensor(own, b.grads, group=self.group)
+                _issue_reduce_scatter(own, b.grads, self.group).wait()  # in place: `own` lies inside the input
                 own.div_(self.ranks)
 
     @contextlib.contextmanager
@@ -156,7 +156,7 @@ class ShardedOptimizerState:
         if self.ranks > 1:
             with torch.no_grad():
                 for b in self.buffers:
-                    dist.all_gather_into_tensor(b.params, b.segment_of(b.params), group=self.group)
+                    _issue_all_gather(b.params, b.segment_of(b.params), self.group).wait()  # in place, too
 
     def zero_grad(self) -> None:
         """Zero every gradient (the views stay; never set them to None)."""
