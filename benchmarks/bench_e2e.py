@@ -21,8 +21,10 @@ biases), with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
   dtensor[-compile]     the plain model under parallelize_module (Colwise/Rowwise/SequenceParallel,
                         loss_parallel), as torchtitan does it, tp>1
   torchtitan[-fp8], torchao-fp8[-tensorwise]-compile, liger[-compile]  the projects a user would pick
-                        instead (benchmarks/e2e_external.py): Llama models on one GPU; a row whose package
-                        is missing (scripts/gpu_wheels.sh) or that has no such model is a note
+                        instead (benchmarks/e2e_external.py), Llama models: torchtitan as its trainer
+                        lays it out at any tp x dp (its TP plan, FSDP2 over dp, whatever --dp-mode
+                        says), the others on one GPU; a row whose package is missing
+                        (scripts/gpu_wheels.sh), or that has no such model or layout, is a note
 Compiled variants compile each block (and, for plain, the head + loss), as torchtitan does.
 Each row is appended as JSON to --results; the table printed at the end covers every row there, so a
 tp=2 run after a tp=1 run shows both and the TP scaling efficiency (tokens/s/GPU at tp=N over the
@@ -51,7 +53,7 @@ from tpflash.models import GPT, GPTConfig  # noqa: E402
 from tpflash.parallel import overlap, peer_collectives  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_external import EXTERNAL, build as build_external, skip_reason  # noqa: E402
+from e2e_external import EXTERNAL, build as build_external, layout_note, skip_reason  # noqa: E402
 from e2e_peers import PlainGPT, PlainLlama, compile_blocks, dtensor_tp, shard_over_dp  # noqa: E402
 from e2e_table import table  # noqa: E402
 from e2e_timing import describe, device_name, time_steps  # noqa: E402
@@ -136,6 +138,9 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
     row = dict(model=model_name, impl=impl, tp=ps.tp_size, dp=ps.dp_size, device=device_name(ps.device))
     if ps.dp_size > 1:
         row["note"] = "dp: " + ("DDP" if args.dp_mode == "replicate" and not impl.startswith("dtensor") else "FSDP2")
+    layout = layout_note(impl, ps, args) if impl in EXTERNAL else None
+    if layout:  # the peer's own layout (torchtitan: FSDP2 over dp), whatever --dp-mode says
+        row["note"] = layout
     skip = skip_reason(impl, shape, ps) if impl in EXTERNAL else None
     if skip:  # a row that says why, in the table too
         return {**row, "note": skip}
@@ -214,7 +219,7 @@ def parse_args(argv=None):
     p.add_argument("--models", default="gpt-1.3b,gpt-2.7b", help=f"comma list of {sorted(MODELS)}")
     p.add_argument("--impls", default=None, help=f"comma list of {IMPLS} (default: tpflash-graphs, the trainer's "
                    "choice, then at tp=1 the fp8 rows, tpflash, plain, plain-compile and the external peers; at tp>1 "
-                   "tpflash, tpflash-nooverlap, dtensor*)")
+                   "tpflash, tpflash-nooverlap, dtensor*, torchtitan)")
     p.add_argument("--dp-mode", choices=("replicate", "fsdp"), default="replicate",
                    help="at dp > 1: DDP (tpflash and plain) or FSDP2 over dp (dtensor: FSDP2 either way)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
@@ -265,7 +270,7 @@ def main(argv=None) -> None:
     args.dtype = args.dtype or ("bf16" if ps.device.type == "cuda" else "fp32")
     # first the trainer's default (graphed blocks, at tp=1 where dp=1), then the eager step and the peers
     rest = ([*FP8, "tpflash", "plain", "plain-compile", *EXTERNAL] if ps.tp_size == 1
-            else ["tpflash", "tpflash-nooverlap", "dtensor", "dtensor-compile"])
+            else ["tpflash", "tpflash-nooverlap", "dtensor", "dtensor-compile", "torchtitan"])
     default = ",".join(["tpflash-graphs", *rest])
     impls = (args.impls or default).split(",")
     for name in impls + args.models.split(","):

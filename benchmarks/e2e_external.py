@@ -1,9 +1,11 @@
-"""The projects a user would pick instead of tpflash, as rows of benchmarks/bench_e2e.py (Llama models, one
-GPU): torchtitan's own Llama 3 (bf16, and fp8 through its float8 converter), torchao's float8 training
-on the plain Llama peer, and Liger's kernels on the plain Llama peer. `build` returns what
-bench_e2e.build returns; `skip_reason` says why a row is not run (a GPT-2 model, more than one GPU, a
-package missing), so that a missing peer is a row with a note, never a crash. Versions checked:
-torchtitan 0.2.2, torchao 0.18.0, liger-kernel 0.8.5 (scripts/gpu_wheels.sh)."""
+"""The projects a user would pick instead of tpflash, as rows of benchmarks/bench_e2e.py (Llama models):
+torchtitan's own Llama 3 (bf16, and fp8 through its float8 converter) at any tp x dp its trainer
+builds (FSDP2 over dp, its TP plan over tp), torchao's float8 training on the plain Llama peer and
+Liger's kernels on the plain Llama peer, both on one GPU. `build` returns what bench_e2e.build
+returns; `skip_reason` says why a row is not run (a GPT-2 model, a layout the peer does not run, a
+package missing), so that a missing peer is a row with a note, never a crash; `layout_note` says how
+a torchtitan row spreads over the GPUs. Versions checked: torchtitan 0.2.2, torchao 0.18.0,
+liger-kernel 0.8.5 (scripts/gpu_wheels.sh)."""
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +35,9 @@ def skip_reason(impl: str, shape: dict, ps) -> Optional[str]:
     """Why `impl` cannot run this model here (the row's note), or None."""
     if shape.get("family") != "llama":
         return "Llama models only (torchtitan has no GPT-2; torchao and Liger run on the plain Llama peer)"
-    if ps.tp_size > 1 or ps.dp_size > 1:
-        return "run on one GPU only (tp=1, dp=1)"
+    layout = _layout_problem(impl, shape, ps)
+    if layout:
+        return layout
     for package in PACKAGES[impl]:
         problem = _import_problem(package)
         if problem:
@@ -45,6 +48,31 @@ def skip_reason(impl: str, shape: dict, ps) -> Optional[str]:
         if impl == "torchtitan-fp8":
             return "needs CUDA SM 8.9+ (torchtitan's float8 converter refuses other devices)"
     return None
+
+
+def _layout_problem(impl: str, shape: dict, ps) -> Optional[str]:
+    """Why `impl` cannot run at this rank layout, or None. torchtitan shards heads over tp as its TP
+    plan does (column-parallel q, k and v), so tp must divide both head counts; torchao and Liger
+    rows are the plain Llama on one GPU."""
+    if not impl.startswith("torchtitan"):
+        return "run on one GPU only (tp=1, dp=1)" if ps.tp_size > 1 or ps.dp_size > 1 else None
+    if shape["heads"] % ps.tp_size or shape["kv_heads"] % ps.tp_size:
+        return f"tp={ps.tp_size} must divide the heads ({shape['heads']}) and kv heads ({shape['kv_heads']})"
+    return None
+
+
+def layout_note(impl: str, ps, args) -> Optional[str]:
+    """How a torchtitan row spreads over the GPUs (e.g. "torchtitan FSDP2 dp_shard=2 x TP 2"), None
+    on one GPU or for the other peers. Under TP without FSDP its trainer trains in fp32
+    (maybe_enable_amp: mixed precision comes from FSDP there), which a bf16 run's note says."""
+    if not impl.startswith("torchtitan") or ps.tp_size * ps.dp_size == 1:
+        return None
+    parts = ([f"FSDP2 dp_shard={ps.dp_size}"] if ps.dp_size > 1 else []) + (
+        [f"TP {ps.tp_size}"] if ps.tp_size > 1 else [])
+    note = "torchtitan " + " x ".join(parts)
+    if ps.dp_size == 1 and args.dtype == "bf16":
+        note += " (fp32: torchtitan has mixed precision under TP only with FSDP)"
+    return note
 
 
 def _import_problem(package: str) -> Optional[str]:
@@ -91,37 +119,92 @@ def build(impl: str, shape: dict, args, ps):
 # ---- torchtitan --------------------------------------------------------------------------------
 
 def _torchtitan(impl: str, shape: dict, args, ps):
-    """torchtitan's Llama 3 as its Trainer builds one for a single GPU (train.py): on the meta device,
-    its model converters (float8), parallelize_llama (here: per-block torch.compile, fullgraph, no
-    activation checkpointing), to_empty, init_weights; the loss is its compiled sum-reduced
-    cross-entropy over the tokens, as its train step divides it. bf16 comes from the benchmark's
-    autocast, which is what torchtitan's maybe_enable_amp uses without FSDP."""
+    """torchtitan's Llama 3 as its Trainer builds one (train.py) at this rank layout: ParallelDims
+    with dp_shard = dp and tp = tp, the model on the meta device, its model converters (float8),
+    parallelize_llama (TP with loss_parallel where tp > 1, per-block torch.compile, fullgraph, no
+    activation checkpointing, FSDP2 over dp_shard where dp > 1), to_empty, init_weights. The loss
+    and precision are its train step's (`_torchtitan_loss`); the step context is its train context,
+    loss_parallel under TP, around forward and backward as there."""
     stub_datasets()
-    from torchtitan.components.loss import build_cross_entropy_loss
-    from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import get_train_context
     from torchtitan.models.llama3 import Transformer, parallelize_llama
     from torchtitan.protocols.model_converter import build_model_converters
-    job = JobConfig()
-    job.training.seq_len = args.seq
-    job.compile.enable = True  # components: "model" (each block) and "loss", its default
-    job.activation_checkpoint.mode = "none"  # as every other row
-    if impl == "torchtitan-fp8":  # tensorwise: its default recipe (docs/float8.md: stable; rowwise alpha)
-        job.model.converters = ["quantize.linear.float8"]
-        job.quantize.linear.float8.filter_fqns = ["output"]  # as its llama3 train configs
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    job = _torchtitan_job(impl, args)
+    dims = ParallelDims(dp_replicate=1, dp_shard=ps.dp_size, cp=1, tp=ps.tp_size, pp=1, ep=1, etp=1,
+                        world_size=ps.dp_size * ps.tp_size)
+    _mesh_on(ps.device)
     with torch.device("meta"):
         model = Transformer(torchtitan_args(shape, args))
     hidden = model.layers["0"].feed_forward.w1.out_features
     assert hidden == shape["ffn"], f"torchtitan's SwiGLU is {hidden} wide, not {shape['ffn']}"
     build_model_converters(job, dims).convert(model)
     model = parallelize_llama(model, dims, job)
+    if dims.fsdp_enabled and ps.device.type == "cpu":
+        _sum_without_premul(model)
     model.to_empty(device=ps.device)
     with torch.no_grad():
         model.init_weights(buffer_device=ps.device)
     model.train()
+    loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
+    return model, _torchtitan_loss(model, job, dims, ps), get_train_context(loss_parallel)
+
+
+def _torchtitan_job(impl: str, args):
+    """torchtitan's JobConfig for this row: its defaults but what the benchmark sets for every row."""
+    from torchtitan.config import JobConfig
+    job = JobConfig()
+    job.training.seq_len = args.seq
+    job.compile.enable = True  # components: "model" (each block) and "loss", its default
+    job.activation_checkpoint.mode = "none"  # as every other row
+    # FSDP's parameter dtype: its default bf16, fp32 where the benchmark runs fp32 (CPU); gradients are
+    # reduced in fp32 (mixed_precision_reduce, its default)
+    job.training.mixed_precision_param = "bfloat16" if args.dtype == "bf16" else "float32"
+    if impl == "torchtitan-fp8":  # tensorwise: its default recipe (docs/float8.md: stable; rowwise alpha)
+        job.model.converters = ["quantize.linear.float8"]
+        job.quantize.linear.float8.filter_fqns = ["output"]  # as its llama3 train configs
+    return job
+
+
+def _mesh_on(device: torch.device) -> None:
+    """torchtitan builds its device meshes on the device type it found when imported, "cuda" where it
+    found no accelerator; the meshes go on the benchmark's device (CPU meshes on a gloo run)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    parallel_dims.device_type = device.type
+
+
+def _sum_without_premul(model: nn.Module) -> None:
+    """FSDP2 reduce-scatters with PREMUL_SUM(1) at torchtitan's gradient divide factor of 1, which gloo
+    lacks; on a CPU (gloo) run its FSDP modules sum with a plain SUM instead, the same reduction."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _torchtitan_loss(model: nn.Module, job, dims, ps):
+    """loss_fn(idx, targets) as torchtitan's train step computes it: its compiled sum-reduced
+    cross-entropy divided by the global token count (parallelize_llama sets FSDP's gradient divide
+    factor to 1, so the gradients summed over dp are the global mean's). Its maybe_enable_amp
+    autocasts to bf16 on one GPU only, which the benchmark's own autocast is; with FSDP, FSDP's
+    parameter dtype is the precision, and under TP without FSDP it trains in fp32, so there the
+    benchmark's autocast is switched off."""
+    from torchtitan.components.loss import build_cross_entropy_loss
     loss_sum = build_cross_entropy_loss(job)
-    return model, lambda idx, tgt: loss_sum(model(idx), tgt) / tgt.numel(), contextlib.nullcontext
+    own_precision = dims.fsdp_enabled or dims.tp_enabled
+
+    def loss_fn(idx, targets):
+        with torch.autocast(ps.device.type, enabled=False) if own_precision else contextlib.nullcontext():
+            return _local_mean_of_global_loss(loss_sum(model(idx), targets), targets.numel(), ps.dp_size)
+    return loss_fn
+
+
+def _local_mean_of_global_loss(loss_sum: torch.Tensor, tokens: int, dp: int) -> torch.Tensor:
+    """torchtitan's loss, loss_sum / (tokens * dp) over dp ranks of `tokens` tokens each, for the
+    backward, with the value of this rank's mean loss (what the other rows report): the two differ by
+    a constant factor, so the detached difference leaves the gradients as torchtitan's."""
+    scaled = loss_sum / (tokens * dp)
+    return scaled + (loss_sum / tokens - scaled).detach() if dp > 1 else scaled
 
 
 def torchtitan_args(shape: dict, args):

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from bench_e2e import IMPLS, MODELS, build, make_optimizer, parse_args, run_config  # noqa: E402
-from e2e_external import EXTERNAL, PACKAGES, stub_datasets, skip_reason  # noqa: E402
+from e2e_external import EXTERNAL, PACKAGES, layout_note, stub_datasets, skip_reason  # noqa: E402
 from e2e_peers import load_tpflash_weights, plain_key  # noqa: E402
 from e2e_table import table  # noqa: E402
 
@@ -96,11 +96,44 @@ def test_a_missing_peer_package_is_a_row_with_a_note(monkeypatch, impl):
     assert f"| {impl} | 1x1 |  |" in table([row], IMPLS, {})
 
 
-def test_the_peers_run_llama_models_on_one_gpu_only():
-    shape = MODELS["tiny-llama"]
+def layout(tp: int, dp: int) -> SimpleNamespace:
+    return SimpleNamespace(**{**vars(SOLO), "tp_size": tp, "dp_size": dp})
+
+
+def test_the_peers_run_llama_models_torchtitan_at_any_layout_the_others_on_one_gpu():
+    shape = MODELS["tiny-llama"]  # 4 heads, 2 kv heads
     for impl in EXTERNAL:
         assert skip_reason(impl, MODELS["tiny"], SOLO).startswith("Llama models only")
-        assert skip_reason(impl, shape, SimpleNamespace(**{**vars(SOLO), "tp_size": 2})).startswith("run on one GPU")
+        for tp, dp in ((2, 1), (1, 2), (2, 2)):
+            reason = skip_reason(impl, shape, layout(tp, dp)) or ""
+            if impl.startswith("torchtitan"):  # run, or a note on its package (CI has none)
+                assert not reason.startswith(("run on one GPU", "tp=")), (impl, tp, dp, reason)
+            else:
+                assert reason.startswith("run on one GPU"), (impl, tp, dp, reason)
+    for tp in (3, 4):  # 3 divides neither head count, 4 not the 2 kv heads
+        assert skip_reason("torchtitan", shape, layout(tp, 1)).startswith(f"tp={tp} must divide the heads")
+
+
+def test_a_torchtitan_row_says_its_layout():
+    bf16 = argparse.Namespace(dtype="bf16")
+    assert layout_note("torchtitan", layout(1, 1), bf16) is None
+    assert layout_note("torchtitan", layout(2, 2), bf16) == "torchtitan FSDP2 dp_shard=2 x TP 2"
+    assert layout_note("torchtitan-fp8", layout(1, 4), bf16) == "torchtitan FSDP2 dp_shard=4"
+    assert layout_note("torchtitan", layout(2, 1), argparse.Namespace(dtype="fp32")) == "torchtitan TP 2"
+    assert layout_note("torchtitan", layout(2, 1), bf16).startswith("torchtitan TP 2 (fp32: ")  # its trainer's
+    assert layout_note("liger", layout(1, 2), bf16) is None
+
+
+def test_the_torchtitan_loss_reports_the_local_mean_with_torchtitans_gradients():
+    """Over dp ranks torchtitan divides the local loss sum by the global token count (FSDP then sums
+    the gradients); the row reports this rank's mean loss, as the other rows do."""
+    from e2e_external import _local_mean_of_global_loss
+    for dp in (1, 2, 4):
+        x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+        loss = _local_mean_of_global_loss((x * x).sum(), 6, dp)
+        loss.backward()
+        assert loss.item() == pytest.approx(14 / 6)
+        assert torch.allclose(x.grad, 2 * x.detach() / (6 * dp))
 
 
 def test_torchtitan_builds_llama_1b_with_its_swiglu_width():
@@ -156,7 +189,7 @@ def test_torchtitan_fp8_converts_its_projections_but_not_the_output(monkeypatch)
     import torchtitan.components.quantization.float8 as float8
     from e2e_external import build as build_external
     monkeypatch.setattr(float8, "has_cuda_capability", lambda *args: True)
-    args = argparse.Namespace(vocab=512, seq=32, batch=2)
+    args = argparse.Namespace(vocab=512, seq=32, batch=2, dtype="fp32")
     torch.manual_seed(0)
     model, loss_fn, _ = build_external("torchtitan-fp8", MODELS["tiny-llama"], args, ONE_PROCESS)
     block = model.layers["0"]._orig_mod  # compiled per block, as torchtitan's apply_compile does
