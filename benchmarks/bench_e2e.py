@@ -1,8 +1,9 @@
 """End-to-end GPT training throughput: tpflash vs plain PyTorch, DTensor TP and torchtitan/torchao/Liger, one table.
 
 Run under torchrun (one process per GPU; tp = --tp, dp = world/tp; at dp > 1 --dp-mode replicate, the
-default, wraps tpflash and plain in DDP as the trainer's fsdp=auto does where the state fits, fsdp
-shards them with FSDP2; dtensor always uses FSDP2 over dp, as torchtitan composes it with TP):
+default, wraps tpflash and plain in DDP (the trainer's fsdp=off), fsdp shards them with FSDP2, zero1
+shards tpflash's AdamW state over dp (the trainer's fsdp=zero1, what fsdp=auto picks where it fits);
+dtensor always uses FSDP2 over dp, as torchtitan composes it with TP):
     torchrun --nproc_per_node=2 benchmarks/bench_e2e.py --tp 2 --models gpt-1.3b,gpt-2.7b
     python benchmarks/bench_e2e.py --tiny          # CPU/gloo smoke test: never report its timings
 Every implementation trains the same model, GPT-2 style (learned positions, LayerNorm, GELU-tanh, tied
@@ -63,6 +64,7 @@ from e2e_timing import describe, device_name, time_steps  # noqa: E402
 MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560, layers=32, heads=32),
           "gpt-6.7b": dict(d=4096, layers=32, heads=32), "tiny": dict(d=64, layers=2, heads=4),
           "llama-1b": dict(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, family="llama"),
+          "llama-3-8b": dict(d=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, family="llama"),
           "tiny-llama": dict(d=64, layers=2, heads=4, kv_heads=2, ffn=192, family="llama")}
 FP8 = {"tpflash-fp8-rowwise": "rowwise", "tpflash-fp8-tensorwise": "tensorwise"}  # graphed, like tpflash-graphs
 IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-serial", "tpflash-graphs-overlap",
@@ -88,6 +90,8 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
         if ps.dp_size > 1 and args.dp_mode == "fsdp":  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction)
             tpflash.parallel.apply_fsdp(model, ps)
+        if ps.dp_size > 1 and args.dp_mode == "zero1":  # AdamW state sharded over dp; before the capture, as the trainer
+            model.zero1 = tpflash.parallel.ShardedOptimizerState(model, ps)
         on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
         if impl.startswith("tpflash-graphs") or impl in FP8:  # the replays overlap (or not) as captured
             with _overlap_setting(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
@@ -132,12 +136,21 @@ def make_optimizer(model: nn.Module, device: torch.device, fused: bool = True):
     return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
 
 
+def _dp_name(impl: str, dp_mode: str) -> str:
+    """How `impl` holds the model over dp under --dp-mode (dtensor always FSDP2; zero1 is tpflash's)."""
+    if impl.startswith("dtensor"):
+        return "FSDP2"
+    if dp_mode == "zero1":
+        return "zero1" if impl.startswith("tpflash") else "DDP"
+    return {"replicate": "DDP", "fsdp": "FSDP2"}[dp_mode]
+
+
 def run_config(model_name: str, impl: str, args, ps) -> dict:
     shape = MODELS[model_name]
     args = argparse.Namespace(**{**vars(args), "vocab": args.vocab or shape.get("vocab", 50304)})
     row = dict(model=model_name, impl=impl, tp=ps.tp_size, dp=ps.dp_size, device=device_name(ps.device))
     if ps.dp_size > 1:
-        row["note"] = "dp: " + ("DDP" if args.dp_mode == "replicate" and not impl.startswith("dtensor") else "FSDP2")
+        row["note"] = "dp: " + _dp_name(impl, args.dp_mode)
     layout = layout_note(impl, ps, args) if impl in EXTERNAL else None
     if layout:  # the peer's own layout (torchtitan: FSDP2 over dp), whatever --dp-mode says
         row["note"] = layout
@@ -186,8 +199,26 @@ def _measure(impl, shape, args, ps, fallback: bool):
     tpflash_impl = impl.startswith("tpflash")
     model, loss_fn, step_context = build(impl, shape, args, ps, fused_loss=not (fallback and tpflash_impl))
     opt = make_optimizer(model, ps.device, fused=not (fallback and not tpflash_impl))
+    if getattr(model, "zero1", None) is not None:
+        opt = Zero1Optimizer(model.zero1, opt)
     step_s, loss, extra = time_steps(loss_fn, step_context, opt, args, ps)
     return model, opt, step_s, loss, extra
+
+
+class Zero1Optimizer:
+    """The step and zero_grad the timing loop calls, for a model under ShardedOptimizerState: the
+    gradients reduce-scattered over dp, AdamW on this rank's parameters, the updated ones all-gathered
+    (what the trainer does at fsdp=zero1, without its grad-norm clip, as every row here)."""
+
+    def __init__(self, zero, optimizer):
+        self.zero, self.optimizer = zero, optimizer
+
+    def step(self):
+        self.zero.reduce_gradients()
+        self.zero.step(self.optimizer.step)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.zero.zero_grad()  # the gradients stay views of the flat buffer
 
 
 def _cleanup(ps) -> None:
@@ -220,8 +251,9 @@ def parse_args(argv=None):
     p.add_argument("--impls", default=None, help=f"comma list of {IMPLS} (default: tpflash-graphs, the trainer's "
                    "choice, then at tp=1 the fp8 rows, tpflash, plain, plain-compile and the external peers; at tp>1 "
                    "tpflash, tpflash-nooverlap, dtensor*, torchtitan)")
-    p.add_argument("--dp-mode", choices=("replicate", "fsdp"), default="replicate",
-                   help="at dp > 1: DDP (tpflash and plain) or FSDP2 over dp (dtensor: FSDP2 either way)")
+    p.add_argument("--dp-mode", choices=("replicate", "fsdp", "zero1"), default="replicate",
+                   help="at dp > 1: DDP (tpflash and plain), FSDP2 over dp, or zero1 (tpflash: AdamW's state sharded "
+                   "over dp, the trainer's fsdp=zero1; plain: DDP); dtensor: FSDP2 either way")
     p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, help="sequences per step per dp rank")

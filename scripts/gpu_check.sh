@@ -21,10 +21,11 @@
 #                                     and Liger; their wheels from .whl/ (scripts/gpu_wheels.sh) where present
 #   bash scripts/gpu_check.sh fp8-accuracy  one GPU: benchmarks/fp8_accuracy.sh (bf16 and each recipe, 1,000
 #                                     steps of a 1B model; MODES= picks runs), then its table and PNG
-#   bash scripts/gpu_check.sh dp      4 GPUs: zero1 against DDP over NCCL, then the training step of $MODELS
-#                                     (default llama-1b) at tp=1 x dp=4 and tp=2 x dp=2 in each way of holding
-#                                     the model over dp (zero1 graphed, DDP eager and graphed, FSDP2) beside
-#                                     torchtitan (FSDP2, TP), with its wheels from .whl/ where present
+#   bash scripts/gpu_check.sh dp      2 or 4 GPUs: zero1 against DDP over NCCL, then the training step of
+#                                     $MODELS (default llama-1b; BATCH sequences per rank, default 4) at
+#                                     tp=1 x dp=N (and tp=2 x dp=2 on 4 GPUs) in each way of holding the model
+#                                     over dp (zero1 graphed; DDP eager and graphed unless NO_DDP=1; FSDP2
+#                                     eager) beside torchtitan (FSDP2, TP), its wheels from .whl/ where present
 #   bash scripts/gpu_check.sh         tests, then bench
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the symmetric-memory equivalents): some shared
 # machines do not allow it. The fused-dense extension has its own check: benchmarks/fused_dense_check.sh.
@@ -104,20 +105,22 @@ torchao-fp8-tensorwise-compile,liger 2>&1 | grep "bench_e2e\]\|Error"
   python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_e2e.jsonl" --table "$OUT/table.md"
 }
 
-dp() {  # the ways of holding the model over dp, on 4 GPUs, beside torchtitan (its wheels from .whl/)
-  [ "$GPUS" -ge 4 ] || { echo "dp needs 4 GPUs"; return 1; }
+dp() {  # the ways of holding the model over dp, on 2 or 4 GPUs, beside torchtitan (its wheels from .whl/)
+  [ "$GPUS" -ge 2 ] || { echo "dp needs 2 GPUs"; return 1; }
   peer_wheels
-  echo "== zero1 against DDP over NCCL (4 ranks) =="
+  echo "== zero1 against DDP over NCCL =="
   timeout 150 $PYTEST tests/distributed/test_zero_device.py 2>&1 | tee "$OUT/zero_nccl.log" | tail -5
-  local e2e="benchmarks/bench_e2e.py --models ${MODELS:-llama-1b} --batch 4 --seq 2048 --steps ${STEPS:-8} --warmup 3"
-  e2e="$e2e --results $OUT/bench_dp.jsonl"
-  local tp
-  for tp in 1 2; do
-    echo "== training step, 4 GPUs, tp=$tp x dp=$((4 / tp)): zero1, DDP, FSDP2, torchtitan =="
-    timeout 200 $RUN --nproc_per_node=4 $e2e --tp $tp --dp-mode zero1 --impls tpflash-graphs 2>&1 | grep "bench_e2e\]\|Error"
-    timeout 200 $RUN --nproc_per_node=4 $e2e --tp $tp --dp-mode replicate --impls tpflash,tpflash-graphs 2>&1 \
+  local nproc=$(( GPUS >= 4 ? 4 : 2 )) tp
+  local e2e="benchmarks/bench_e2e.py --models ${MODELS:-llama-1b} --batch ${BATCH:-4} --seq 2048 --steps ${STEPS:-8}"
+  e2e="$e2e --warmup 3 --results $OUT/bench_dp.jsonl"
+  for tp in 1 $([ "$nproc" -ge 4 ] && echo 2); do
+    echo "== training step, $nproc GPUs, tp=$tp x dp=$((nproc / tp)): zero1, DDP, FSDP2, torchtitan =="
+    timeout 200 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode zero1 --impls tpflash-graphs 2>&1 \
       | grep "bench_e2e\]\|Error"
-    timeout 280 $RUN --nproc_per_node=4 $e2e --tp $tp --dp-mode fsdp --impls tpflash,torchtitan 2>&1 | grep "bench_e2e\]\|Error"
+    [ -n "${NO_DDP:-}" ] || timeout 200 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode replicate \
+      --impls tpflash,tpflash-graphs 2>&1 | grep "bench_e2e\]\|Error"
+    timeout 280 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode fsdp --impls ${FSDP_IMPLS:-tpflash,torchtitan} \
+      2>&1 | grep "bench_e2e\]\|Error"
   done
   python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_dp.jsonl" --table "$OUT/table_dp.md"
 }

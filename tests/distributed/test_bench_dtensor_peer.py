@@ -1,4 +1,4 @@
-"""The DTensor peer that scripts/bench_e2e.py times tpflash against (torchtitan's TP plans for GPT-2 and
+"""The DTensor peer that benchmarks/bench_e2e.py times tpflash against (torchtitan's TP plans for GPT-2 and
 Llama blocks) computes the plain model's loss and gradients at tp=2: the rows it gives are of the same model."""
 import argparse
 import os
@@ -10,7 +10,7 @@ import torch
 from tests.distributed.checks import assert_close, init_tp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "scripts"))
+                                "benchmarks"))
 from bench_e2e import MODELS, build  # noqa: E402
 
 pytestmark = pytest.mark.cpu_ranks  # fp32 CPU models: gloo even where GPUs are visible
