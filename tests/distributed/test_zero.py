@@ -47,8 +47,9 @@ def _train(step_fn, forward, model, wrapper, optimizer, ps, data_rank, data_rank
     """`steps` steps on this rank's rows of each global batch, in `accum` micro-batches; the norms."""
     norms = []
     per_rank = BATCH // data_ranks
+    device = next(model.parameters()).device
     for step in range(steps):
-        ids, targets = batch(step)
+        ids, targets = (t.to(device) for t in batch(step))
         rows = range(data_rank * per_rank, (data_rank + 1) * per_rank)
         micro = per_rank // accum
         for i in range(accum - 1):  # all but the last micro-batch: backward only, gradients accumulate
