@@ -94,9 +94,15 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
             model.zero1 = tpflash.parallel.ShardedOptimizerState(model, ps)
         on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
         if impl.startswith("tpflash-graphs") or impl in FP8:  # the replays overlap (or not) as captured
+            # zero1: the graphs also carry the blocks' dp reduce-scatters and all-gathers, as the trainer's with
+            # one micro-batch per step (--zero1-in-graphs off: reduced and gathered after them)
+            sync = getattr(model, "zero1", None)
+            sync = sync.sync_in_graphs(model.blocks) if sync is not None and args.zero1_in_graphs == "on" else None
             with _overlap_setting(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
                                                           enabled=args.dtype == "bf16"):
-                model.capture_cuda_graphs(args.batch, args.seq)
+                model.capture_cuda_graphs(args.batch, args.seq, dp_sync=sync)
+            if sync is not None:
+                model.zero1.use_graph_sync(sync)
         forward = model
         if ps.dp_size > 1 and args.dp_mode == "replicate":  # after the capture, as the trainer does
             forward = tpflash.parallel.replicate_over_dp(model, ps)
@@ -151,6 +157,8 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
     row = dict(model=model_name, impl=impl, tp=ps.tp_size, dp=ps.dp_size, device=device_name(ps.device))
     if ps.dp_size > 1:
         row["note"] = "dp: " + _dp_name(impl, args.dp_mode)
+        if row["note"] == "dp: zero1" and (impl.startswith("tpflash-graphs") or impl in FP8):
+            row["note"] += " in graphs" if args.zero1_in_graphs == "on" else " after graphs"
     layout = layout_note(impl, ps, args) if impl in EXTERNAL else None
     if layout:  # the peer's own layout (torchtitan: FSDP2 over dp), whatever --dp-mode says
         row["note"] = layout
@@ -254,6 +262,9 @@ def parse_args(argv=None):
     p.add_argument("--dp-mode", choices=("replicate", "fsdp", "zero1"), default="replicate",
                    help="at dp > 1: DDP (tpflash and plain), FSDP2 over dp, or zero1 (tpflash: AdamW's state sharded "
                    "over dp, the trainer's fsdp=zero1; plain: DDP); dtensor: FSDP2 either way")
+    p.add_argument("--zero1-in-graphs", choices=("on", "off"), default="on",
+                   help="--dp-mode zero1, graphed rows: the blocks' reduce-scatters and all-gathers inside the graphs, "
+                   "overlapped with the blocks (on, the trainer's choice at one micro-batch per step) or after them")
     p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, help="sequences per step per dp rank")

@@ -24,7 +24,8 @@
 #   bash scripts/gpu_check.sh dp      2 or 4 GPUs: zero1 against DDP over NCCL, then the training step of
 #                                     $MODELS (default llama-1b; BATCH sequences per rank, default 4) at
 #                                     tp=1 x dp=N (and tp=2 x dp=2 on 4 GPUs) in each way of holding the model
-#                                     over dp (zero1 graphed; DDP eager and graphed unless NO_DDP=1; FSDP2
+#                                     over dp (zero1 graphed, its dp collectives inside the graphs and after
+#                                     them; DDP eager and graphed unless NO_DDP=1; FSDP2
 #                                     eager) beside torchtitan (FSDP2, TP), its wheels from .whl/ where present
 #   bash scripts/gpu_check.sh         tests, then bench
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the symmetric-memory equivalents): some shared
@@ -109,14 +110,18 @@ dp() {  # the ways of holding the model over dp, on 2 or 4 GPUs, beside torchtit
   [ "$GPUS" -ge 2 ] || { echo "dp needs 2 GPUs"; return 1; }
   peer_wheels
   echo "== zero1 against DDP over NCCL =="
-  timeout 150 $PYTEST tests/distributed/test_zero_device.py 2>&1 | tee "$OUT/zero_nccl.log" | tail -5
+  timeout 240 $PYTEST tests/distributed/test_zero_device.py tests/distributed/test_graphed_blocks.py 2>&1 \
+    | tee "$OUT/zero_nccl.log" | tail -5
   local nproc=$(( GPUS >= 4 ? 4 : 2 )) tp
   local e2e="benchmarks/bench_e2e.py --models ${MODELS:-llama-1b} --batch ${BATCH:-4} --seq 2048 --steps ${STEPS:-8}"
   e2e="$e2e --warmup 3 --results $OUT/bench_dp.jsonl"
   for tp in 1 $([ "$nproc" -ge 4 ] && echo 2); do
     echo "== training step, $nproc GPUs, tp=$tp x dp=$((nproc / tp)): zero1, DDP, FSDP2, torchtitan =="
-    timeout 200 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode zero1 --impls tpflash-graphs 2>&1 \
-      | grep "bench_e2e\]\|Error"
+    local where
+    for where in on off; do  # the blocks' dp collectives inside the graphs (the trainer's choice), or after them
+      timeout 200 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode zero1 --zero1-in-graphs $where \
+        --impls tpflash-graphs 2>&1 | grep "bench_e2e\]\|Error"
+    done
     [ -n "${NO_DDP:-}" ] || timeout 200 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode replicate \
       --impls tpflash,tpflash-graphs 2>&1 | grep "bench_e2e\]\|Error"
     timeout 280 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode fsdp --impls ${FSDP_IMPLS:-tpflash,torchtitan} \

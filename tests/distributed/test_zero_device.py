@@ -1,4 +1,6 @@
 """fsdp=zero1 on the ranks' own device: over NCCL where the GPUs are visible (gloo on CPU otherwise)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -33,32 +35,34 @@ def test_zero1_trains_like_ddp_on_the_ranks_device(ranks, world, tp):
     ranks(world).run(device_body, tp)
 
 
-def graphed_gpt_body(tp):
+def graphed_gpt_body(tp, in_graph):
     """A GPT whose blocks replay captured graphs (real ones on GPUs, NCCL and the copy engines inside),
     under zero1, against the same GPT eager under DDP: the captured backward's gradients must land in
-    the flat buffers, accumulate over two micro-batches, and the replays must read the gathered weights."""
+    the flat buffers and the replays must read the gathered weights. `in_graph`: the graphs also
+    reduce-scatter the blocks' gradients and wait for their weights' all-gather (one micro-batch per
+    step); else two micro-batches accumulate and zero1 reduces after the backward."""
     from tests.distributed.test_graphed_blocks import BATCH, SEQ, amp, batch, config, twins
-    from tpflash.train.gradients import global_grad_norm
     ps = init_tp(tp)
     device = ps.device
     graphed, eager = twins(config(sequence_parallel=tp > 1), device)
     zero = ShardedOptimizerState(graphed, ps)  # before the capture: the graphs keep the flat buffers' addresses
+    sync = zero.sync_in_graphs(graphed.blocks) if in_graph else None
     with amp(device):
-        graphed.capture_cuda_graphs(BATCH, SEQ)
+        graphed.capture_cuda_graphs(BATCH, SEQ, dp_sync=sync)
+    if sync is not None:
+        zero.use_graph_sync(sync)
     ddp = replicate_over_dp(eager, ps)
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (graphed, eager)]
     tol = 2e-2 if device.type == "cuda" else 1e-5
+    micro_batches = 1 if in_graph else 2
     for step in range(3):
         losses = []
         for forward, opt in zip((graphed, ddp), opts):
-            for micro in range(2):  # dp rank d takes micro-batches 2d and 2d + 1 of the step's four
-                idx, targets = batch(100 * step + 2 * ps.dp_rank + micro, device)
+            for micro in range(micro_batches):  # dp rank d: micro-batches d * n ... d * n + n - 1 of the step's
+                idx, targets = batch(100 * step + micro_batches * ps.dp_rank + micro, device)
                 with amp(device):
-                    loss = forward(idx, targets) / 2
-                if forward is ddp and micro == 0:
-                    with ddp.no_sync():
-                        loss.backward()
-                else:
+                    loss = forward(idx, targets) / micro_batches
+                with ddp.no_sync() if forward is ddp and micro < micro_batches - 1 else contextlib.nullcontext():
                     loss.backward()
                 losses.append(loss.detach().float())
             if forward is graphed:
@@ -68,8 +72,9 @@ def graphed_gpt_body(tp):
             else:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        assert_close(losses[0] + losses[1], losses[2] + losses[3], f"step {step}: loss", tol=tol)
-    assert graphed._graphed_blocks.forward_generation == 6, "the replays did not run"
+        assert_close(sum(losses[:micro_batches]), sum(losses[micro_batches:]), f"step {step}: loss", tol=tol)
+    assert graphed._graphed_blocks.forward_generation == 3 * micro_batches, "the replays did not run"
+    zero.wait_for_parameters()
     for (name, p), q in zip(graphed.named_parameters(), eager.parameters()):
         if name.endswith("k_proj.bias"):  # its exact gradient is 0 (softmax ignores a shift of every key):
             continue  # AdamW turns rounding noise into full-size steps, different in any other summation order
@@ -77,5 +82,31 @@ def graphed_gpt_body(tp):
 
 
 @LAYOUTS
-def test_a_graphed_gpt_under_zero1_trains_like_the_eager_gpt_under_ddp(ranks, world, tp):
-    ranks(world).run(graphed_gpt_body, tp)
+@pytest.mark.parametrize("in_graph", [False, True], ids=["reduced-after", "reduced-in-graph"])
+def test_a_graphed_gpt_under_zero1_trains_like_the_eager_gpt_under_ddp(ranks, world, tp, in_graph):
+    ranks(world).run(graphed_gpt_body, tp, in_graph)
+
+
+def second_backward_body():
+    from tests.distributed.test_graphed_blocks import BATCH, SEQ, amp, batch, config, twins
+    ps = init_tp(1)
+    model, _ = twins(config(sequence_parallel=False), ps.device)
+    zero = ShardedOptimizerState(model, ps)
+    sync = zero.sync_in_graphs(model.blocks)
+    with amp(ps.device):
+        model.capture_cuda_graphs(BATCH, SEQ, dp_sync=sync)
+    zero.use_graph_sync(sync)
+    for _ in range(2):
+        idx, targets = batch(0, ps.device)
+        with amp(ps.device):
+            loss = model(idx, targets)
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            assert "one backward per optimizer step (grad_accum=1)" in str(e), e
+            return
+    raise AssertionError("a second backward before zero_grad did not raise")
+
+
+def test_reduction_in_the_graphs_refuses_a_second_backward_before_zero_grad(ranks):
+    ranks(2).run(second_backward_body)

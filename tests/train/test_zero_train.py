@@ -20,14 +20,19 @@ def corpus(tmp_path_factory):
 
 def curve_body(cfg, steps, use_gpt=False):
     """Resume from cfg.checkpoint.dir if set and present, run `steps` steps, save if a dir is set;
-    returns (per-step loss averaged over dp, grad norm) and the trainer's dp mode."""
+    returns (per-step loss averaged over dp, grad norm), with (eval loss, 0) after every
+    train.eval_interval-th step where set, and the trainer's dp mode ("zero1 in graphs" where the
+    graphs carry its reduction)."""
     trainer = Trainer(cfg) if use_gpt else Trainer(cfg, TinyConfig, TinyLM)
     curve = []
     for _ in range(steps):
         out = trainer.train_step()
         curve.append((trainer._dp_mean(out["loss"]), out["grad_norm"].item()))
+        if cfg.train.eval_interval and trainer.step % cfg.train.eval_interval == 0:
+            curve.append((trainer.evaluate(), 0.0))
     trainer.save()
-    return curve, trainer.dp_mode
+    in_graphs = getattr(trainer, "zero", None) is not None and trainer.zero.graph_sync is not None
+    return curve, trainer.dp_mode + (" in graphs" if in_graphs else "")
 
 
 def _config(corpus, tp, fsdp, **overrides):
@@ -50,13 +55,18 @@ def test_zero1_follows_the_ddp_curve_for_20_steps(ranks, corpus, world, tp):
     assert max(norm for _, norm in ddp) > 1.0, "clip=1 must act in these runs for the norm to be covered"
 
 
-def test_graphed_gpt_under_zero1_follows_the_ddp_curve(ranks, corpus):
+@pytest.mark.parametrize("micro", [2, 4], ids=["accum2-reduced-after", "accum1-reduced-in-graph"])
+def test_graphed_gpt_under_zero1_follows_the_ddp_curve(ranks, corpus, micro):
     # CPU: the graphs' eager stand-in, so this checks that the captured stack's gradients land in the
-    # flat buffers, accumulate over micro-batches, and that the parameters it reads are the gathered ones
+    # flat buffers (accumulated over micro-batches, or reduced inside the graphs with one micro-batch
+    # per step), and that the parameters it reads are the gathered ones; with evaluation between steps
     model = {"preset": "gpt2-tiny", "n_layer": 2, "n_embd": 32, "sequence_parallel": True}
-    graphed, mode = ranks(4).run(curve_body, _config(corpus, 2, "zero1", cuda_graphs="on", model=model), 6, True)[0]
-    ddp, _ = ranks(4).run(curve_body, _config(corpus, 2, "off", cuda_graphs="off", model=model), 6, True)[0]
-    assert mode == "zero1"
+    train = {"micro_batch_size": micro, "eval_interval": 2}
+    graphed, mode = ranks(4).run(curve_body, _config(corpus, 2, "zero1", cuda_graphs="on", model=model, train=train),
+                                 6, True)[0]
+    ddp, _ = ranks(4).run(curve_body, _config(corpus, 2, "off", cuda_graphs="off", model=model, train=train), 6,
+                          True)[0]
+    assert mode == ("zero1" if micro == 2 else "zero1 in graphs")
     _assert_same_curve(graphed, ddp, "of the graphed GPT under zero1")
 
 

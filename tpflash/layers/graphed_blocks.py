@@ -111,18 +111,24 @@ class GraphedBlocks:
     Calling returns (out, residual) of the last block, differentiable in x and in every block
     parameter, like the eager loop. The blocks' collectives use their own process groups; every
     rank of those groups must capture together. `overlapped`: whether the capture overlapped the
-    tp collectives with the GEMMs (tpflash.parallel.overlap.capture_decision).
+    tp collectives with the GEMMs (tpflash.parallel.overlap.capture_decision). `dp_sync`: a
+    tpflash.parallel.zero_graphs.GraphSync whose dp reduce-scatters and all-gathers the graphs
+    overlap with the blocks (fsdp=zero1); its gradients are then written in place, not returned.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], sample_x: torch.Tensor):
+    def __init__(self, blocks: Sequence[nn.Module], sample_x: torch.Tensor, dp_sync=None):
         if not blocks:
             raise ValueError("GraphedBlocks needs at least one block")
         if not torch.is_grad_enabled():
             raise ValueError("capture the blocks with grad mode on (their backward is captured too)")
         check_graphable(blocks)
         self.blocks = list(blocks)
+        self.dp_sync = dp_sync
         device = sample_x.device
         self.params = tuple(p for b in self.blocks for p in b.parameters() if p.requires_grad)
+        # the gradients dp_sync's hooks write in place inside the backward graph: not returned
+        taken = dp_sync.hooked if dp_sync is not None else frozenset()
+        self.returned = tuple(id(p) not in taken for p in self.params)
         self.autocast_state = _autocast_state(device.type)
         self.training = self.blocks[0].training
         self.key = (tuple(sample_x.shape), sample_x.dtype, device)
@@ -157,9 +163,16 @@ class GraphedBlocks:
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         residual = None
-        with self._one_grad_bucket(), self._one_weight_cast(x):
-            for block in self.blocks:
-                x, residual = block(x, residual)
+        if self.dp_sync is None:
+            with self._one_grad_bucket(), self._weight_cast(self.blocks, x):
+                for block in self.blocks:
+                    x, residual = block(x, residual)
+            return x, residual
+        with self._one_grad_bucket():  # each block waits for its weights' all-gather, then casts them
+            for i, block in enumerate(self.blocks):
+                self.dp_sync.before_block(i)
+                with self._weight_cast([block], x):
+                    x, residual = block(x, residual)
         return x, residual
 
     def _one_grad_bucket(self):
@@ -172,20 +185,22 @@ class GraphedBlocks:
         params = [p for b in self.blocks for p in b.tp_partial_grad_parameters()]
         return comm.tp_grad_bucket(params, self.blocks[0].process_group)
 
-    def _one_weight_cast(self, x: torch.Tensor):
-        """One weight_casts.cast_once for every block's weights: a few multi-tensor copy kernels at the
-        start of the captured forward instead of one small cast kernel per weight."""
-        if not all(hasattr(b, "weight_cast_groups") for b in self.blocks):
+    def _weight_cast(self, blocks: Sequence[nn.Module], x: torch.Tensor):
+        """One weight_casts.cast_once for `blocks`' weights (all of the stack's, unless their all-gathers
+        are waited for block by block): a few multi-tensor copy kernels instead of one small cast
+        kernel per weight."""
+        if not all(hasattr(b, "weight_cast_groups") for b in blocks):
             return contextlib.nullcontext()
-        groups = [g for b in self.blocks for g in b.weight_cast_groups()]
+        groups = [g for b in blocks for g in b.weight_cast_groups()]
         return weight_casts.cast_once(groups, weight_casts.compute_dtype(x))
 
     def _forward(self) -> None:
         self.outputs = self._run_blocks(self.static_x)
 
     def _backward(self) -> None:
-        self.input_grads = torch.autograd.grad(self.outputs, (self.static_x,) + self.params, self.static_grad_out,
-                                               allow_unused=True)
+        with self.dp_sync.gradient_hooks() if self.dp_sync is not None else contextlib.nullcontext():
+            self.input_grads = torch.autograd.grad(self.outputs, (self.static_x,) + self.params,
+                                                   self.static_grad_out, allow_unused=True)
 
     def _warm_up(self) -> None:
         """A few eager passes on a side stream, so lazy set-up (autotuning, cuBLAS handles, NCCL
@@ -237,7 +252,17 @@ class GraphedBlocks:
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
         self.bwd_graph.replay()
-        return tuple(None if g is None else g.detach() for g in self.input_grads)
+        if self.dp_sync is not None:
+            self.dp_sync.backward_replayed()
+        x_grad, param_grads = self.input_grads[0], self.input_grads[1:]
+        return (None if x_grad is None else x_grad.detach(),) + tuple(
+            g.detach() if g is not None and returned else None for g, returned in zip(param_grads, self.returned))
+
+    def before_eager_run(self) -> None:
+        """Called before the blocks run eagerly instead of replaying: the parameters must hold their
+        updated values (dp_sync may still be gathering them on a side stream)."""
+        if self.dp_sync is not None:
+            self.dp_sync.wait_all()
 
     def _unalias_accumulated_grads(self) -> None:
         # autograd keeps a returned gradient as param.grad when there was none: that .grad is then
@@ -245,8 +270,8 @@ class GraphedBlocks:
         # replay may already write its temporaries there (the captures reused freed blocks). To
         # accumulate (a second forward and backward before zero_grad), such a .grad is moved out
         # first: one copy of those gradients per extra micro-batch, none without accumulation.
-        for p, g in zip(self.params, self.input_grads[1:]):
-            if p.grad is not None and g is not None and p.grad.data_ptr() == g.data_ptr():
+        for p, g, returned in zip(self.params, self.input_grads[1:], self.returned):
+            if returned and p.grad is not None and g is not None and p.grad.data_ptr() == g.data_ptr():
                 p.grad = p.grad.clone()
 
 

@@ -172,11 +172,13 @@ class GPT(nn.Module):
         if not block_kw and self._graphed_blocks is not None and self._graphed_blocks.matches(x):
             x, residual = self._graphed_blocks(x)  # captured for unpacked batches only
         else:
+            if self._graphed_blocks is not None:
+                self._graphed_blocks.before_eager_run()
             for block in self.blocks:
                 x, residual = block(x, residual, **block_kw)
         return self.final_norm(x, residual=residual)[0]
 
-    def capture_cuda_graphs(self, batch_size: int, seq_len: int) -> None:
+    def capture_cuda_graphs(self, batch_size: int, seq_len: int, dp_sync=None) -> None:
         """Capture the blocks' forward and backward as CUDA graphs (tpflash.layers.graphed_blocks).
 
         Later training forwards of [batch_size, seq_len] ids with grad mode on, under the autocast
@@ -186,6 +188,8 @@ class GPT(nn.Module):
         weights. Needs dropout=0, no activation checkpointing, no FSDP. The overlap setting active
         here is captured (by default: the copy-engine overlap where the GPUs map each other's memory,
         docs/overlap.md). Run one backward per forward. On CPU the replay is an eager stand-in (tests). Call again to recapture; `release_cuda_graphs()` frees them.
+        `dp_sync`: a tpflash.parallel.zero_graphs.GraphSync for these blocks (fsdp=zero1), whose
+        gradient reduce-scatters and weight all-gathers the graphs then overlap with the blocks.
         """
         from ..layers.graphed_blocks import GraphedBlocks, check_graphable
         if self.cp_group is not None:
@@ -197,7 +201,7 @@ class GPT(nn.Module):
         self.release_cuda_graphs()
         with torch.no_grad():
             sample = self.embed(idx)  # [seq(/tp), batch, hidden]
-        self._graphed_blocks = GraphedBlocks(self.blocks, sample)
+        self._graphed_blocks = GraphedBlocks(self.blocks, sample, dp_sync=dp_sync)
 
     def release_cuda_graphs(self) -> None:
         """Drop the captured graphs (and their memory pool); forwards run eagerly again."""

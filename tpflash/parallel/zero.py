@@ -30,7 +30,7 @@ parameters are plain local tensors, so each tp rank shards its own local tensors
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -60,36 +60,61 @@ def assign_owners(sizes: Sequence[int], ranks: int) -> List[int]:
     return owners
 
 
-class _FlatBuffer:
-    """The parameters of one dtype as views into `params` (and their gradients into `grads`):
-    rank r's owned tensors in [r * segment, (r + 1) * segment), in model order."""
+class _Bucket:
+    """Parameters of one dtype laid out as `ranks` equal segments of a flat region: rank r's owned
+    tensors, in model order, in [r * segment, (r + 1) * segment); zero padding after each."""
 
     def __init__(self, params: List[nn.Parameter], ranks: int, rank: int):
-        owners = assign_owners([p.numel() for p in params], ranks)
-        offsets, fill = [0] * len(params), [0] * ranks
+        self.params, self.rank = params, rank
+        self.owners = assign_owners([p.numel() for p in params], ranks)
+        self.offsets, fill = [0] * len(params), [0] * ranks
         for i, p in enumerate(params):
-            offsets[i], fill[owners[i]] = fill[owners[i]], fill[owners[i]] + _aligned(p.numel())
+            self.offsets[i], fill[self.owners[i]] = fill[self.owners[i]], fill[self.owners[i]] + _aligned(p.numel())
         self.segment = max(max(fill), _ALIGN)
-        first = params[0]
-        self.params = torch.zeros(self.segment * ranks, dtype=first.dtype, device=first.device)
-        self.grads = torch.zeros_like(self.params)
+        self.numel = self.segment * ranks
+
+    @torch.no_grad()
+    def bind(self, flat_params: torch.Tensor, flat_grads: torch.Tensor) -> None:
+        """Move every parameter into its place in the flat buffers (the region given), its .grad too."""
+        self.flat_params, self.flat_grads = flat_params, flat_grads
         self.owned: List[nn.Parameter] = []
         self.grad_views: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (parameter, its gradient view), not owned
-        with torch.no_grad():
-            for p, owner, offset in zip(params, owners, offsets):
-                start = owner * self.segment + offset
-                view = self.params[start:start + p.numel()].view_as(p)
-                view.copy_(p)
-                p.data = view  # the Parameter object stays (optimizer, graphs, names); its storage moves here
-                p.grad = self.grads[start:start + p.numel()].view_as(p)
-                if owner == rank:
-                    self.owned.append(p)
-                else:
-                    self.grad_views.append((p, p.grad))
-        self.rank = rank
+        for p, owner, offset in zip(self.params, self.owners, self.offsets):
+            start = owner * self.segment + offset
+            view = flat_params[start:start + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view  # the Parameter object stays (optimizer, graphs, names); its storage moves here
+            p.grad = flat_grads[start:start + p.numel()].view_as(p)
+            if owner == self.rank:
+                self.owned.append(p)
+            else:
+                self.grad_views.append((p, p.grad))
 
-    def segment_of(self, flat: torch.Tensor) -> torch.Tensor:
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.rank * self.segment:(self.rank + 1) * self.segment]
+
+
+def _bucket_groups(model: nn.Module, blocks: Sequence[nn.Module],
+                   ranks: int) -> Tuple[List[nn.Parameter], List[List[nn.Parameter]]]:
+    """The parameters that need a gradient, in buckets: (everything outside the blocks (and the
+    blocks' tp-partial-gradient parameters, complete only at the end of the backward), then the
+    blocks' own in forward order, enough consecutive blocks per bucket to give every rank a tensor
+    twice over (a block alone has too few tensors to balance over many ranks))."""
+    for p in model.parameters():
+        if p.requires_grad and type(p) is not nn.Parameter:
+            raise ValueError(f"fsdp=zero1 needs plain parameters, got {type(p).__name__} (is the model already "
+                             "sharded with FSDP?)")
+    partial = {id(p) for b in blocks if hasattr(b, "tp_partial_grad_parameters") for p in b.tp_partial_grad_parameters()}
+    per_block = [[p for p in b.parameters() if p.requires_grad and id(p) not in partial] for b in blocks]
+    groups: List[List[nn.Parameter]] = []
+    for params in per_block:
+        if groups and len(groups[-1]) < 2 * ranks:
+            groups[-1].extend(params)
+        else:
+            groups.append(list(params))
+    in_blocks = {id(p) for g in groups for p in g}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
+    return rest, [g for g in groups if g]
 
 
 class ShardedOptimizerState:
@@ -101,67 +126,120 @@ class ShardedOptimizerState:
     Per step: forward and backward of every micro-batch (gradients accumulate in the flat buffer),
     then `reduce_gradients()`, the norm over `owned_params`, `step(...)` (the optimizer step on the
     owned parameters, then the all-gather), and `zero_grad()` instead of the optimizer's.
-    Collectives over the dp * cp group: `reduce_gradients` and `step`.
+    `blocks` (default `model.blocks` where it has them): the transformer blocks, each bucket of
+    which is reduced and gathered on its own, so that CUDA-graphed blocks can overlap that with
+    their compute (tpflash.parallel.zero_graphs). Collectives over the dp * cp group:
+    `reduce_gradients` and `step`.
     """
 
-    def __init__(self, model: nn.Module, ps: ParallelState):
+    def __init__(self, model: nn.Module, ps: ParallelState, blocks: Optional[Sequence[nn.Module]] = None):
         self.group = ps.dp_cp_group
         self.ranks, self.rank = ps.dp_cp_size, ps.dp_cp_rank
-        by_dtype: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
-        for p in model.parameters():
-            if p.requires_grad:
-                if type(p) is not nn.Parameter:
-                    raise ValueError(f"fsdp=zero1 needs plain parameters, got {type(p).__name__} (is the model "
-                                     "already sharded with FSDP?)")
+        self.blocks = list(getattr(model, "blocks", []) if blocks is None else blocks)
+        rest, block_groups = _bucket_groups(model, self.blocks, self.ranks)
+        self.buckets: List[_Bucket] = []  # the rest first, then the blocks' in forward order
+        self.block_buckets: List[_Bucket] = []
+        for group in [rest] + block_groups:
+            by_dtype: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
+            for p in group:
                 by_dtype.setdefault((p.dtype, p.device), []).append(p)
-        self.buffers = [_FlatBuffer(params, self.ranks, self.rank) for params in by_dtype.values()]
-        self.owned_params: List[nn.Parameter] = [p for b in self.buffers for p in b.owned]
+            made = [_Bucket(params, self.ranks, self.rank) for params in by_dtype.values()]
+            self.buckets += made
+            if group is not rest:
+                self.block_buckets += made
+        self.flat: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
+        for key in {(b.params[0].dtype, b.params[0].device) for b in self.buckets}:
+            mine = [b for b in self.buckets if (b.params[0].dtype, b.params[0].device) == key]
+            flat_params = torch.zeros(sum(b.numel for b in mine), dtype=key[0], device=key[1])
+            flat_grads = torch.zeros_like(flat_params)
+            start = 0
+            for b in mine:
+                b.bind(flat_params[start:start + b.numel], flat_grads[start:start + b.numel])
+                start += b.numel
+            self.flat[key] = (flat_params, flat_grads)
+        self.owned_params: List[nn.Parameter] = [p for b in self.buckets for p in b.owned]
         owned = {id(p) for p in self.owned_params}
         self.owned_names = frozenset(n for n, p in model.named_parameters() if id(p) in owned)
+        self.graph_sync = None  # a zero_graphs.GraphSync once graphed blocks reduce and gather their buckets
+
+    def sync_in_graphs(self, blocks: Sequence[nn.Module]):
+        """A tpflash.parallel.zero_graphs.GraphSync for `blocks` (this object's own blocks, graphed as one
+        stack: GPT.capture_cuda_graphs(..., dp_sync=)): hand it to the capture, then to `use_graph_sync`."""
+        from .zero_graphs import GraphSync
+        return GraphSync(self, blocks)
+
+    def use_graph_sync(self, sync) -> None:
+        """From now on the graphs captured with `sync` reduce and gather the blocks' buckets."""
+        self.graph_sync = sync
 
     def bytes_per_rank(self) -> Dict[str, int]:
         """What this rank holds: the flat parameter and gradient buffers (padding included), and the
         optimizer state of its owned parameters for AdamW (two moments of the parameter's dtype)."""
-        params = sum(b.params.numel() * b.params.element_size() for b in self.buffers)
+        params = sum(f.numel() * f.element_size() for f, _ in self.flat.values())
         owned = sum(p.numel() * p.element_size() for p in self.owned_params)
         return {"params": params, "grads": params, "adam_state": 2 * owned}
 
+    def reduce_bucket(self, b: _Bucket) -> None:
+        """Average bucket b's gradients over the group into this rank's own segment, in place (the other
+        segments keep this rank's partial sums, unused until zero_grad)."""
+        if self.ranks > 1:
+            own = b.own(b.flat_grads)
+            _issue_reduce_scatter(own, b.flat_grads, self.group).wait()  # in place: `own` lies inside the input
+            own.div_(self.ranks)
+
+    def gather_bucket(self, b: _Bucket) -> None:
+        """Every rank's updated segment of bucket b into every rank's flat parameters, in place."""
+        if self.ranks > 1:
+            _issue_all_gather(b.flat_params, b.own(b.flat_params), self.group).wait()
+
     def reduce_gradients(self) -> None:
-        """Average the accumulated gradients over the group into each rank's own segment (in place);
-        the other segments are left holding this rank's partial sums, unused until zero_grad."""
-        for b in self.buffers:
-            own = b.segment_of(b.grads)
-            if self.ranks > 1:
-                _issue_reduce_scatter(own, b.grads, self.group).wait()  # in place: `own` lies inside the input
-                own.div_(self.ranks)
+        """Average the accumulated gradients over the group, bucket by bucket (those the graphed blocks'
+        backward reduced already are left as they are)."""
+        reduced = self.graph_sync.reduced_buckets() if self.graph_sync is not None else ()
+        for b in self.buckets:
+            if not any(b is r for r in reduced):
+                self.reduce_bucket(b)
 
     @contextlib.contextmanager
     def _owned_gradients_only(self) -> Iterator[None]:
         """The optimizer's view during its step: only owned parameters have a gradient."""
-        for b in self.buffers:
+        for b in self.buckets:
             for p, _ in b.grad_views:
                 p.grad = None
         try:
             yield
         finally:
-            for b in self.buffers:
+            for b in self.buckets:
                 for p, view in b.grad_views:
                     p.grad = view
 
     def step(self, optimizer_step) -> None:
         """Run `optimizer_step()` (e.g. tpflash.train.gradients.clipped_step bound to its arguments) on
-        the owned parameters, then all-gather every rank's updated segment into every flat buffer."""
+        the owned parameters, then all-gather every rank's updated segments into every flat buffer
+        (with graphed blocks that overlap it: the blocks' buckets on a side stream, which the next
+        forward replay waits for block by block; `wait_for_parameters` before any other use)."""
         with self._owned_gradients_only():
             optimizer_step()
-        if self.ranks > 1:
-            with torch.no_grad():
-                for b in self.buffers:
-                    _issue_all_gather(b.params, b.segment_of(b.params), self.group).wait()  # in place, too
+        with torch.no_grad():
+            if self.graph_sync is not None:
+                self.graph_sync.gather(self)
+            else:
+                for b in self.buckets:
+                    self.gather_bucket(b)
+
+    def wait_for_parameters(self) -> None:
+        """Make the current stream wait until every parameter holds its updated value: call before using
+        the parameters outside a training forward (evaluation, checkpoints) when graphed blocks gather
+        their buckets in the background. A no-op otherwise."""
+        if self.graph_sync is not None:
+            self.graph_sync.wait_all()
 
     def zero_grad(self) -> None:
         """Zero every gradient (the views stay; never set them to None)."""
-        for b in self.buffers:
-            b.grads.zero_()
+        for _, grads in self.flat.values():
+            grads.zero_()
+        if self.graph_sync is not None:
+            self.graph_sync.new_step()
 
 
 def bytes_per_param(dp: int, param_bytes: int = 4) -> float:

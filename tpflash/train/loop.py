@@ -72,13 +72,30 @@ class Trainer:
         self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device, self.ps.dp_size,
                                                                        self.dp_mode)
         if self.cuda_graphs:
-            with build.autocast(self.device, self.amp_dtype):
-                self.model.capture_cuda_graphs(self.plan.micro, self.seq_len)
+            self._capture_cuda_graphs()
         # replicated over dp (x cp): the training forward goes through DDP, whose backward all-reduces the
         # gradients bucket by bucket as they become ready (None under FSDP or zero1, or at dp=1)
         replicated = self.dp_mode == "off" and self.ps.dp_cp_size > 1
         self.ddp = parallel.replicate_over_dp(self.model, self.ps) if replicated else None
         self._train_forward = self.model if self.ddp is None else self.ddp
+
+    def _capture_cuda_graphs(self) -> None:
+        """Capture the blocks at the micro-batch shape; under zero1 with one micro-batch per step the
+        graphs also carry the dp reduce-scatters and all-gathers of the blocks' weights, overlapped
+        with the blocks (tpflash.parallel.zero_graphs; with accumulation they stay after the backward)."""
+        sync = None
+        if self.zero is not None and self.plan.grad_accum == 1 and self.ps.dp_cp_size > 1:
+            sync = self.zero.sync_in_graphs(self.model.blocks)
+        with build.autocast(self.device, self.amp_dtype):
+            self.model.capture_cuda_graphs(self.plan.micro, self.seq_len, **({"dp_sync": sync} if sync else {}))
+        if sync is not None:
+            self.zero.use_graph_sync(sync)
+
+    def _parameters_ready(self) -> None:
+        """Before reading the parameters outside a training step (evaluation, samples, checkpoints): under
+        zero1 in graphs the blocks' weights may still be gathering on a side stream."""
+        if self.zero is not None:
+            self.zero.wait_for_parameters()
 
     def _load_data(self, config_cls) -> None:
         """The tokenizer, the resolved model config, and the train/eval token windows."""
@@ -213,6 +230,7 @@ class Trainer:
         if not ck.dir or self._saved_step == self.step:
             return
         self.check_finite()
+        self._parameters_ready()
         from .. import checkpoint
         with self.fault.around_save(self.step, ck.dir):
             checkpoint.save(ck.dir, self.model, self.optimizer, step=self.step, keep=ck.keep,
@@ -234,6 +252,7 @@ class Trainer:
         if not out:
             return None
         self.check_finite()
+        self._parameters_ready()
         from ..models import save_pretrained
         return save_pretrained(self.model, out, tokenizer_from=self.init_from)
 
@@ -321,6 +340,7 @@ class Trainer:
         if self.eval_data is None or len(self.eval_data) == 0 or self.cfg.train.eval_batches < 1:
             return None
         plan, ps = self.plan, self.ps
+        self._parameters_ready()
         self.model.eval()
         total = torch.zeros((), device=self.device)
         n = len(self.eval_data)
@@ -435,6 +455,7 @@ class Trainer:
         ids = np.asarray(self.tokenizer.encode(prompt), dtype=np.int64)
         idx = torch.from_numpy(ids).unsqueeze(0).to(self.device)  # [1, prompt]
         torch.manual_seed(self.cfg.seed)
+        self._parameters_ready()
         self.model.eval()
         with torch.no_grad(), build.autocast(self.device, self.amp_dtype):
             out = self.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
