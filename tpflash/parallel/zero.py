@@ -7,15 +7,18 @@ saving is the optimizer state (8 of the 16 bytes per fp32 parameter that DDP hol
 only that keeps the parameters plain tensors at fixed addresses:
 
 - every parameter becomes a view into one flat buffer per dtype (its gradient a view into a
-  second), laid out so that each dp rank's *owned* parameters, whole tensors assigned greedily by
-  size, form one contiguous, equally sized segment (zero-padded);
-- after the backward one in-place reduce-scatter leaves each rank its own segment of the summed
-  gradients, which it divides by dp (the average DDP and FSDP take);
+  second), cut into buckets (everything outside the transformer blocks, then the blocks' own, a
+  block or a few per bucket); within a bucket each dp rank's *owned* parameters, whole tensors
+  assigned greedily by size, form one contiguous, equally sized segment (zero-padded);
+- after the backward an in-place reduce-scatter per bucket leaves each rank its own segment of the
+  summed gradients, which it divides by dp (the average DDP and FSDP take);
 - the optimizer steps only the owned parameters (the others have no `.grad` during the step, so
   torch's optimizers skip them and hold no state for them), fused AdamW and the clip inside it
   included;
-- one in-place all-gather writes every rank's updated segment into everyone's flat buffer, which
-  *is* the parameters: the captured graphs replay on them unchanged.
+- an in-place all-gather per bucket writes every rank's updated segment into everyone's flat
+  buffer, which *is* the parameters: the captured graphs replay on them unchanged. Graphed blocks
+  can carry their buckets' collectives inside the graphs, overlapped with their compute
+  (tpflash.parallel.zero_graphs).
 
 Communication per step equals DDP's all-reduce (a reduce-scatter plus an all-gather); memory per
 rank is 4 bytes per parameter for the weights, 4 for the gradients and 8 / dp for AdamW's moments
@@ -137,16 +140,15 @@ class ShardedOptimizerState:
         self.ranks, self.rank = ps.dp_cp_size, ps.dp_cp_rank
         self.blocks = list(getattr(model, "blocks", []) if blocks is None else blocks)
         rest, block_groups = _bucket_groups(model, self.blocks, self.ranks)
-        self.buckets: List[_Bucket] = []  # the rest first, then the blocks' in forward order
-        self.block_buckets: List[_Bucket] = []
+        self.rest_buckets: List[_Bucket] = []  # everything outside the blocks' buckets, one per dtype
+        self.block_buckets: List[_Bucket] = []  # in forward order
         for group in [rest] + block_groups:
             by_dtype: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
             for p in group:
                 by_dtype.setdefault((p.dtype, p.device), []).append(p)
             made = [_Bucket(params, self.ranks, self.rank) for params in by_dtype.values()]
-            self.buckets += made
-            if group is not rest:
-                self.block_buckets += made
+            (self.rest_buckets if group is rest else self.block_buckets).extend(made)
+        self.buckets: List[_Bucket] = self.rest_buckets + self.block_buckets
         self.flat: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
         for key in {(b.params[0].dtype, b.params[0].device) for b in self.buckets}:
             mine = [b for b in self.buckets if (b.params[0].dtype, b.params[0].device) == key]
@@ -222,7 +224,7 @@ class ShardedOptimizerState:
             optimizer_step()
         with torch.no_grad():
             if self.graph_sync is not None:
-                self.graph_sync.gather(self)
+                self.graph_sync.gather()
             else:
                 for b in self.buckets:
                     self.gather_bucket(b)

@@ -34,8 +34,10 @@ import torch.nn as nn
 
 
 class GraphSync:
-    """The dp reduction and gathering of `zero`'s block buckets, for the graphed `blocks` (the same
-    blocks, in order, that `zero` bucketed). Built by GraphedBlocks at capture."""
+    """The dp reduction and gathering of `zero`'s (a ShardedOptimizerState's) block buckets, for the
+    graphed `blocks`: the same blocks, in order, that `zero` bucketed. Made by
+    `zero.sync_in_graphs(blocks)`, handed to the capture (GPT.capture_cuda_graphs(..., dp_sync=)),
+    then to `zero.use_graph_sync`. Process group: zero's dp * cp group."""
 
     def __init__(self, zero, blocks: Sequence[nn.Module]):
         self.zero = zero
@@ -116,11 +118,12 @@ class GraphSync:
     def new_step(self) -> None:
         self.reduced = False
 
-    def gather(self, zero) -> None:
-        """After the optimizer step: the other buckets in order, then the blocks' on the side stream."""
-        for b in zero.buckets:
-            if not any(b is blocks for blocks in zero.block_buckets):
-                zero.gather_bucket(b)
+    def gather(self) -> None:
+        """After the optimizer step: the rest's buckets in order (the embedding needs its weights first),
+        then the blocks' on the side stream, each recording the event its first block waits for."""
+        zero = self.zero
+        for b in zero.rest_buckets:
+            zero.gather_bucket(b)
         if not self.cuda:
             for b in zero.block_buckets:
                 zero.gather_bucket(b)
