@@ -128,6 +128,21 @@ def test_linears_equal_one_linear_per_weight_forward_and_backward(bias):
         torch.testing.assert_close(g, g0)
 
 
+def test_linears_with_bf16_weights_give_bf16_weight_grads_as_one_linear_per_weight():
+    # FSDP's all-gathered weights are bf16: the stacked GEMM's weight gradients come out in bf16 directly
+    from tpflash.layers.autocast_linear import linears
+    x, ws, bs, dys = _stacked_case(False)
+    x = x.bfloat16()
+    ws = [w.detach().bfloat16().requires_grad_() for w in ws]
+    dys = [dy.bfloat16() for dy in dys]
+    ys, grads = _grads(linears, x, ws, bs, dys, autocast=False)
+    ys0, grads0 = _grads(lambda x, ws, bs: [F.linear(x, w, b) for w, b in zip(ws, bs)], x, ws, bs, dys,
+                         autocast=False)
+    for g, g0 in zip(grads, grads0):
+        assert g.dtype == g0.dtype == torch.bfloat16
+        torch.testing.assert_close(g, g0, rtol=1.6e-2, atol=1e-2)
+
+
 def test_linears_under_autocast_match_linear_per_weight_with_fp32_parameter_grads():
     from tpflash.layers.autocast_linear import linears
     case = _stacked_case(True)

@@ -134,3 +134,11 @@ def test_apply_fsdp_without_parallel_state_raises():
     tpflash.parallel.set_default_state(None)
     with pytest.raises(ValueError, match="needs a ParallelState"):
         apply_fsdp(TinyLM())
+
+
+def test_prefetch_chains_the_blocks_in_forward_order():
+    from tpflash.parallel.fsdp import _sibling_chains
+    model = build(seed=0, tp=False)
+    units = select_units(model)
+    assert _sibling_chains(model, units) == [list(model.blocks)]
+    assert _sibling_chains(model, units[:1]) == [], "a lone unit has nothing to prefetch"

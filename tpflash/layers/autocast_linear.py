@@ -61,7 +61,11 @@ class _StackedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = (grad_y @ w_c).to(ctx.x_dtype)  # [*, in]
         if any(ctx.needs_input_grad[3:3 + n]):
-            grads[:n] = weight_grad_fp32(rows, x_c.reshape(-1, x_c.shape[-1])).split(ctx.sizes)
+            x2d = x_c.reshape(-1, x_c.shape[-1])
+            if all(dt == w_c.dtype for dt in ctx.param_dtypes[:n]):  # e.g. FSDP's bf16 weights: no fp32 pass to cast
+                grads[:n] = torch.mm(rows.t(), x2d).split(ctx.sizes)  # fp32 accumulation, rounded once, as the cast
+            else:
+                grads[:n] = weight_grad_fp32(rows, x2d).split(ctx.sizes)
         if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:]):
             grads[n:] = (column_sum(rows) if bias_sums is None else bias_sums).split(ctx.sizes)
         grads = [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.param_dtypes)]

@@ -16,7 +16,7 @@ forward would be seen sharded.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Callable, Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
@@ -101,7 +101,7 @@ def apply_fsdp(model: nn.Module, ps: Optional[ParallelState] = None, *,
                reshard_after_forward: bool = True, cpu_offload: bool = False,
                block_classes: Union[Type[nn.Module], Sequence[Type[nn.Module]], None] = None,
                auto_wrap_policy: Optional[WrapPolicy] = None, hsdp_replicas: int = 1,
-               mesh: Optional[DeviceMesh] = None) -> nn.Module:
+               mesh: Optional[DeviceMesh] = None, prefetch: bool = True) -> nn.Module:
     """Shard `model` with FSDP2 `fully_shard` over the dp * cp ranks of `ps` (default: the state from `init`).
 
     Every unit chosen by `select_units` (transformer blocks by default) is sharded, then the root.
@@ -111,7 +111,11 @@ def apply_fsdp(model: nn.Module, ps: Optional[ParallelState] = None, *,
     parameters' own dtype on CPU; None: never cast); the sharded master parameters keep their
     dtype. `cpu_offload` keeps sharded parameters, gradients and optimizer state in (pinned) host
     memory; it is a no-op on CPU. `hsdp_replicas` > 1 gives HSDP (see `hsdp_mesh`; not with
-    cp > 1); `mesh` overrides the dp * cp mesh (1-D: FSDP, 2-D (replicate, shard): HSDP). Modifies `model` in place and returns it.
+    cp > 1); `mesh` overrides the dp * cp mesh (1-D: FSDP, 2-D (replicate, shard): HSDP).
+    `prefetch`: each unit's forward starts the all-gather of the next sibling unit (block i+1 during
+    block i) and its backward that of the previous one, as soon as it runs rather than when the host
+    reaches the next unit: an eager step whose host runs behind the GPU still overlaps them.
+    Modifies `model` in place and returns it.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -127,7 +131,25 @@ def apply_fsdp(model: nn.Module, ps: Optional[ParallelState] = None, *,
     offload = CPUOffloadPolicy(pin_memory=True) if cpu_offload and ps.device.type == "cuda" else OffloadPolicy()
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload,
                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
-    for unit in select_units(model, block_classes, auto_wrap_policy):
+    units = select_units(model, block_classes, auto_wrap_policy)
+    for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    if prefetch:
+        for chain in _sibling_chains(model, units):
+            for earlier, later in zip(chain, chain[1:]):
+                earlier.set_modules_to_forward_prefetch([later])
+                later.set_modules_to_backward_prefetch([earlier])
     return model
+
+
+def _sibling_chains(model: nn.Module, units: Sequence[nn.Module]) -> List[List[nn.Module]]:
+    """The units grouped by parent module, in module order (a model's blocks are one chain): the order
+    in which a forward runs them, reversed in the backward."""
+    chosen = {id(u) for u in units}
+    chains = []
+    for parent in model.modules():
+        chain = [child for child in parent.children() if id(child) in chosen]
+        if len(chain) > 1:
+            chains.append(chain)
+    return chains
