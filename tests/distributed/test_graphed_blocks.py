@@ -56,12 +56,14 @@ def _environment(**settings):
                 os.environ[key] = value
 
 
-def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, comm_backend="auto"):
+def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, comm_backend="auto",
+               checkpointing=False):
     """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager (both with
     the collectives overlapping the GEMMs when `overlap_on`; serial ones by `comm_backend`;
-    overlap_on=None: the library's default, decided at capture)."""
+    overlap_on=None: the library's default, decided at capture; `checkpointing`: both models'
+    activation_checkpointing, recomputed inside the backward graph for the graphed one)."""
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
-    graphed, eager = twins(config(sequence_parallel), device)
+    graphed, eager = twins(config(sequence_parallel, activation_checkpointing=checkpointing), device)
     calls = []  # all-gathers through the copy engines (tpflash.parallel.peer_collectives)
     real = peer_collectives.PeerAllGather
 
@@ -189,8 +191,13 @@ def test_backward_of_a_replaced_forward_raises(ranks):
     ranks(2).run(out_of_order_body, 2)
 
 
-@pytest.mark.parametrize("setting,match", [(dict(dropout=0.1), "dropout=0.1"),
-                                           (dict(activation_checkpointing=True), "checkpoint='full'")])
+@pytest.mark.cpu_ranks
+@pytest.mark.parametrize("checkpointing", ["full", "mlp"])
+def test_graphed_gpt_with_activation_checkpointing_trains_like_the_eager_gpt(ranks, checkpointing):
+    ranks(2).run(train_body, 2, True, 3, 2, False, "auto", checkpointing)
+
+
+@pytest.mark.parametrize("setting,match", [(dict(dropout=0.1), "dropout=0.1")])
 def test_capture_rejects_what_a_replay_would_get_wrong(setting, match):
     model = GPT(config(False, **setting))
     with pytest.raises(ValueError, match=match):
@@ -233,6 +240,14 @@ def test_capture_checks_the_sequence_length():
 @pytest.mark.gpu
 def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
     train_body(1, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", ["full", "mlp"])
+def test_cuda_graphed_gpt_recomputes_inside_the_graphs_like_the_eager_gpt(ranks, checkpointing):
+    train_body(1, False, checkpointing=checkpointing)
+    if torch.cuda.device_count() >= 2:  # with the tp collectives (copy engines, overlap) in the recompute too
+        ranks(2).run(train_body, 2, True, 3, 2, None, "auto", checkpointing)
 
 
 @pytest.mark.gpu

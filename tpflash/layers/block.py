@@ -82,7 +82,8 @@ class ParallelTransformerBlock(nn.Module):
 
     def _run_mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.checkpoint == "mlp" and torch.is_grad_enabled():
-            return torch_checkpoint(self.mlp, h, use_reentrant=False)
+            # the MLP draws no random numbers: no RNG state to save (nor to read while CUDA graphs capture)
+            return torch_checkpoint(self.mlp, h, use_reentrant=False, preserve_rng_state=False)
         return self.mlp(h)
 
     def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
@@ -120,6 +121,9 @@ class ParallelTransformerBlock(nn.Module):
         if position_ids is not None or cu_seqlens is not None:  # packed documents (ParallelAttention.forward)
             attn_kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if self.checkpoint == "full" and torch.is_grad_enabled():
+            if not self.dropout:  # nothing random to replay (and CUDA graph capture may not read RNG states)
+                return torch_checkpoint(self._forward, x, residual, use_reentrant=False, preserve_rng_state=False,
+                                        **attn_kw)
             return torch_checkpoint(self._forward, x, residual, use_reentrant=False,
                                     context_fn=self.rng_tracker.checkpoint_context_fns, **attn_kw)
         return self._forward(x, residual, **attn_kw)

@@ -13,8 +13,9 @@ What a replay assumes, checked where it can be:
 - one backward per forward, in order: a second forward overwrites the saved activations, so the
   backward of the first raises instead of computing wrong gradients;
 - parameters stay where they were (in-place optimizer updates are fine; re-materialising them,
-  e.g. FSDP, is not), no dropout (its random stream would not advance), no activation
-  checkpointing; whether the tp collectives overlap the GEMMs is decided once, at capture
+  e.g. FSDP, is not), no dropout (its random stream would not advance); activation checkpointing
+  ("full" or "mlp") is captured too: the forward graph keeps each checkpointed block's inputs only
+  and the backward graph recomputes the rest; whether the tp collectives overlap the GEMMs is decided once, at capture
   (tpflash.parallel.overlap.for_graph_capture), and replayed as captured: the setting if one is
   set (TPFLASH_OVERLAP, `overlap_comm`), else overlapped through the copy engines where the GPUs
   map each other's memory (measured faster than serial collectives there: docs/overlap.md) and
@@ -95,8 +96,6 @@ def check_graphable(blocks: Sequence[nn.Module]) -> None:
         if getattr(block, "dropout", 0.0):
             raise ValueError(f"block {i} has dropout={block.dropout}: CUDA graphs need dropout=0 "
                              "(a replay would reuse one random mask)")
-        if getattr(block, "checkpoint", None) is not None:
-            raise ValueError(f"block {i} has checkpoint={block.checkpoint!r}: CUDA graphs need checkpoint=None")
     params = [p for b in blocks for p in b.parameters()]
     if any(type(p.data) is not torch.Tensor for p in params):
         raise ValueError("the blocks' parameters are not plain tensors (FSDP/DTensor?): CUDA graphs need "

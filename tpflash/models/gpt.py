@@ -185,7 +185,8 @@ class GPT(nn.Module):
         state of this call (e.g. inside the same `torch.autocast("cuda", dtype=torch.bfloat16)`),
         replay them instead of launching every kernel and collective from Python; other calls
         (eval, no_grad, other shapes) run eagerly. Every tp rank must call it, after loading
-        weights. Needs dropout=0, no activation checkpointing, no FSDP. The overlap setting active
+        weights. Needs dropout=0 and no FSDP; activation checkpointing is captured too (the backward
+        graph recomputes what the forward graph did not keep). The overlap setting active
         here is captured (by default: the copy-engine overlap where the GPUs map each other's memory,
         docs/overlap.md). Run one backward per forward. On CPU the replay is an eager stand-in (tests). Call again to recapture; `release_cuda_graphs()` frees them.
         `dp_sync`: a tpflash.parallel.zero_graphs.GraphSync for these blocks (fsdp=zero1), whose

@@ -119,7 +119,7 @@ class TrainConfig:
     (FSDP2) or "auto" (zero1 at dp > 1 where it fits in half the device, else FSDP:
     tpflash.train.build.fsdp_choice). cuda_graphs:
     "auto" (replay the model's blocks as CUDA graphs on CUDA at tp > 1, and at tp=1 with dp=1, when
-    the model allows it: no FSDP, dropout 0, no activation checkpointing), "on" (also at tp=1 with
+    the model allows it: no FSDP, dropout 0; activation checkpointing is recomputed inside the graphs), "on" (also at tp=1 with
     dp > 1; an error if not allowed), "off". The world is dp * cp * tp ranks; cp > 1 splits every
     sequence over cp ranks (attention through "ring" or "allgather" cp_comm) and needs unpacked data."""
 
