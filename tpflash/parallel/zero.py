@@ -108,7 +108,11 @@ def _bucket_groups(model: nn.Module, blocks: Sequence[nn.Module],
             raise ValueError(f"fsdp=zero1 needs plain parameters, got {type(p).__name__} (is the model already "
                              "sharded with FSDP?)")
     partial = {id(p) for b in blocks if hasattr(b, "tp_partial_grad_parameters") for p in b.tp_partial_grad_parameters()}
-    per_block = [[p for p in b.parameters() if p.requires_grad and id(p) not in partial] for b in blocks]
+    seen = set(partial)  # a parameter shared by several blocks goes with the first
+    per_block = []
+    for b in blocks:
+        per_block.append([p for p in b.parameters() if p.requires_grad and id(p) not in seen])
+        seen.update(id(p) for p in per_block[-1])
     groups: List[List[nn.Parameter]] = []
     for params in per_block:
         if groups and len(groups[-1]) < 2 * ranks:
