@@ -99,10 +99,10 @@ class _Bucket:
 
 def _bucket_groups(model: nn.Module, blocks: Sequence[nn.Module],
                    ranks: int) -> Tuple[List[nn.Parameter], List[List[nn.Parameter]]]:
-    """The parameters that need a gradient, in buckets: (everything outside the blocks (and the
-    blocks' tp-partial-gradient parameters, complete only at the end of the backward), then the
-    blocks' own in forward order, enough consecutive blocks per bucket to give every rank a tensor
-    twice over (a block alone has too few tensors to balance over many ranks))."""
+    """(rest, block groups): the parameters that need a gradient, in buckets. `rest` is everything
+    outside the blocks, plus the blocks' tp-partial-gradient parameters (complete only at the end of
+    the backward). The block groups follow in forward order, each of enough consecutive blocks to
+    give every rank a tensor twice over (one block has too few tensors to balance many ranks)."""
     for p in model.parameters():
         if p.requires_grad and type(p) is not nn.Parameter:
             raise ValueError(f"fsdp=zero1 needs plain parameters, got {type(p).__name__} (is the model already "
