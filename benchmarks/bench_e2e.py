@@ -146,8 +146,8 @@ def _dp_name(impl: str, dp_mode: str) -> str:
     """How `impl` holds the model over dp under --dp-mode (dtensor always FSDP2; zero1 is tpflash's)."""
     if impl.startswith("dtensor"):
         return "FSDP2"
-    if dp_mode == "zero1":
-        return "zero1" if impl.startswith("tpflash") else "DDP"
+    if dp_mode == "zero1":  # build() shards the plain peers with FSDP2 unless --dp-mode replicate
+        return "zero1" if impl.startswith("tpflash") else "FSDP2"
     return {"replicate": "DDP", "fsdp": "FSDP2"}[dp_mode]
 
 
@@ -261,7 +261,7 @@ def parse_args(argv=None):
                    "tpflash, tpflash-nooverlap, dtensor*, torchtitan)")
     p.add_argument("--dp-mode", choices=("replicate", "fsdp", "zero1"), default="replicate",
                    help="at dp > 1: DDP (tpflash and plain), FSDP2 over dp, or zero1 (tpflash: AdamW's state sharded "
-                   "over dp, the trainer's fsdp=zero1; plain: DDP); dtensor: FSDP2 either way")
+                   "over dp, the trainer's fsdp=zero1; plain: FSDP2, as under fsdp); dtensor: FSDP2 either way")
     p.add_argument("--zero1-in-graphs", choices=("on", "off"), default="on",
                    help="--dp-mode zero1, graphed rows: the blocks' reduce-scatters and all-gathers inside the graphs, "
                    "overlapped with the blocks (on, the trainer's choice at one micro-batch per step) or after them")
