@@ -120,6 +120,94 @@ def test_scaled_mm_off_cuda_is_the_gemm_of_dequantised_operands():
     torch.testing.assert_close(got, (a8.float() * sa) @ (b8.float() * sb).t())
 
 
+def _hopper_scaled_mm(calls):
+    """A CPU stand-in for torch._scaled_mm on an H100/H200 that refuses what cuBLASLt's fp8 GEMM does not
+    take (where CPU's _scaled_mm takes any layout): mat1 row-major, mat2 column-major, dims divisible
+    by 16, not two e5m2 operands, fp32 scales of one element each (tensorwise) or [M, 1] and [1, N]
+    contiguous with bf16 output (rowwise). Records (scaling, mat1 dtype, mat2 dtype, out_dtype, shapes)
+    per call and returns the GEMM of the dequantised operands."""
+    def scaled_mm_on_hopper(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                            use_fast_accum=False):
+        (m, k), (k_b, n) = a.shape, b.shape
+        assert a.dtype in MAX and b.dtype in MAX and not a.dtype == b.dtype == E5M2, (a.dtype, b.dtype)
+        assert k == k_b and k % 16 == 0 and n % 16 == 0, (a.shape, b.shape)
+        assert a.stride(1) == 1 and a.stride(0) >= k, f"mat1 {tuple(a.shape)} is not row-major: {a.stride()}"
+        assert b.stride(0) == 1 and b.stride(1) >= k, f"mat2 {tuple(b.shape)} is not column-major: {b.stride()}"
+        assert scale_a.dtype == scale_b.dtype == torch.float32
+        if scale_a.numel() == 1 and scale_b.numel() == 1:
+            scaling = "tensorwise"
+            assert out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+        else:
+            scaling = "rowwise"
+            assert scale_a.shape == (m, 1) and scale_a.is_contiguous(), (scale_a.shape, scale_a.stride())
+            assert scale_b.shape == (1, n) and scale_b.is_contiguous(), (scale_b.shape, scale_b.stride())
+            assert out_dtype == torch.bfloat16
+        calls.append((scaling, a.dtype, b.dtype, out_dtype, tuple(a.shape), tuple(b.shape)))
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+    return scaled_mm_on_hopper
+
+
+def _take_cuda_branch(monkeypatch):
+    """scaled_mm's CUDA branch on CPU: every 16-divisible GEMM goes to `_hopper_scaled_mm`; returns its calls."""
+    from tpflash.kernels import fp8
+    calls = []
+    monkeypatch.setattr(fp8, "_cuda_shapes_ok",
+                        lambda a, b: a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0)
+    monkeypatch.setattr(torch, "_scaled_mm", _hopper_scaled_mm(calls))
+    return calls
+
+
+def test_scaled_mm_gives_torch_scaled_mm_the_layouts_and_scales_cublaslt_takes(monkeypatch):
+    hopper_gemm = _take_cuda_branch(monkeypatch)
+    a, b = torch.randn(32, 48), torch.randn(48, 16)
+    a8, sa = quantize(a, E4M3, None)
+    b8, sb = quantize(b, E5M2, None)
+    expected = (a8.float() * sa) @ (b8.float() * sb)
+    # a column-major first operand, a row-major second one and 1-element scales of shape (1,): fixed up
+    got = scaled_mm(a8.t().contiguous().t(), sa.reshape(1), b8, sb.reshape(1, 1), torch.float32)
+    torch.testing.assert_close(got, expected)
+    ar8, sar = quantize(a, E4M3, -1)  # rowwise: [M, 1]; b's scale per column [1, N], given as the .t() of [N, 1]
+    br8, sbr = quantize(b.t().contiguous(), E4M3, -1)
+    got = scaled_mm(ar8, sar, br8.t(), sbr.t(), torch.float32)
+    torch.testing.assert_close(got, ((ar8.float() * sar) @ (br8.float() * sbr).t()).bfloat16().float())
+    assert [c[0] for c in hopper_gemm] == ["tensorwise", "rowwise"]
+
+
+def test_two_e5m2_operands_are_refused_on_every_device():
+    a8, sa = quantize(torch.randn(16, 16), E5M2, None)
+    with pytest.raises(ValueError, match="cannot multiply two float8_e5m2 operands"):
+        scaled_mm(a8, sa, a8.t(), sa, torch.float32)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_the_fp8_linear_gemms_on_cuda_take_the_formats_and_scales_of_the_recipe(recipe, monkeypatch):
+    """The three GEMMs of a layer through scaled_mm's CUDA branch (a strict stand-in for _scaled_mm):
+    tensorwise multiplies e4m3 x and W forward and the e5m2 gradient by them backward (dX in the
+    compute dtype, dW in fp32), rowwise e4m3 everywhere in bf16; the results equal the emulated GEMMs'."""
+    x, w, dy = operands(m=48, k=32, n=64)
+    results, hopper_gemm = [], []
+    for on_cuda_branch in (False, True):
+        if on_cuda_branch:
+            hopper_gemm = _take_cuda_branch(monkeypatch)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, = fp8_linears(xl, [wl], [None], recipe)
+        y.backward(dy.bfloat16())
+        results.append((y.float(), xl.grad, wl.grad))
+    bf16 = torch.bfloat16
+    if recipe == "tensorwise":
+        expected = [("tensorwise", E4M3, E4M3, bf16, (48, 32), (32, 64)),  # y = x W^T
+                    ("tensorwise", E5M2, E4M3, bf16, (48, 64), (64, 32)),  # dX = dY W
+                    ("tensorwise", E5M2, E4M3, torch.float32, (64, 48), (48, 32))]  # dW = dY^T x
+    else:
+        expected = [("rowwise", E4M3, E4M3, bf16, (48, 32), (32, 64)),
+                    ("rowwise", E4M3, E4M3, bf16, (48, 64), (64, 32)),
+                    ("rowwise", E4M3, E4M3, bf16, (64, 48), (48, 32))]
+    assert hopper_gemm == expected
+    for emulated, on_cuda in zip(*results):
+        assert_rel(on_cuda, emulated.double(), 1e-2)  # rowwise dW: rounded to bf16 on the CUDA branch
+
+
 def test_unknown_recipe_is_one_clear_error():
     with pytest.raises(ValueError, match=r"fp8='fp4' must be one of \('off', 'rowwise', 'tensorwise'\)"):
         GPTConfig.preset("llama-tiny", fp8="fp4")

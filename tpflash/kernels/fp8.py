@@ -145,15 +145,37 @@ def _cuda_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.is_cuda and m % 16 == 0 and k % 16 == 0 and b.shape[1] % 16 == 0
 
 
+def _row_major(t: torch.Tensor) -> bool:
+    """Whether cuBLASLt reads the 2-D t in place as row-major: unit column stride, rows that do not overlap."""
+    return t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1])
+
+
+def _column_major(t: torch.Tensor) -> bool:
+    return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0])
+
+
 def scaled_mm(a8: torch.Tensor, scale_a: torch.Tensor, b8: torch.Tensor, scale_b: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """(a8 * scale_a) @ (b8 * scale_b) in out_dtype: a8 [M, K], b8 [K, N] fp8; scales 0-d (tensorwise),
-    or scale_a [M, 1] and scale_b [1, N] (rowwise along K)."""
+    """(a8 * scale_a) @ (b8 * scale_b) in out_dtype: a8 [M, K], b8 [K, N] fp8 (not both e5m2); scales
+    fp32 dequantisation scales, one element each (tensorwise), or scale_a [M, 1] and scale_b [1, N]
+    (rowwise along K).
+
+    On CUDA torch._scaled_mm gets what cuBLASLt's fp8 GEMM takes on Hopper, whatever the layouts
+    given: a8 row-major, b8 column-major (copied where they are not), 16-divisible dims, fp32
+    scales, 0-d for tensorwise (as torch tells the two recipes apart: by the scales' element count),
+    [M, 1] and [1, N] contiguous for rowwise, whose output is bf16 (converted after)."""
+    if a8.dtype == E5M2 and b8.dtype == E5M2:  # cuBLASLt has no e5m2 x e5m2 GEMM: fail alike on every device
+        raise ValueError("scaled_mm: torch._scaled_mm cannot multiply two float8_e5m2 operands")
     if not _cuda_shapes_ok(a8, b8):
         return (dequantize(a8, scale_a) @ dequantize(b8, scale_b)).to(out_dtype)
-    rowwise = scale_a.dim() > 0
-    gemm_dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise-scaled _scaled_mm writes bf16 only
-    a8 = a8 if a8.stride(1) == 1 else a8.contiguous()
-    b8 = b8 if b8.stride(0) == 1 else b8.t().contiguous().t()  # column-major, as cuBLASLt's fp8 GEMM needs
+    m, n = a8.shape[0], b8.shape[1]
+    tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
+    if tensorwise:
+        scale_a, scale_b = scale_a.float().reshape(()), scale_b.float().reshape(())
+    else:
+        scale_a, scale_b = scale_a.float().reshape(m, 1).contiguous(), scale_b.float().reshape(1, n).contiguous()
+    gemm_dtype = out_dtype if tensorwise else torch.bfloat16  # rowwise-scaled _scaled_mm writes bf16 only
+    a8 = a8 if _row_major(a8) else a8.contiguous()
+    b8 = b8 if _column_major(b8) else b8.t().contiguous().t()
     out = torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=gemm_dtype)
     return out.to(out_dtype)
