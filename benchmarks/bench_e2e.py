@@ -3,8 +3,10 @@
 Run under torchrun (one process per GPU; tp = --tp, dp = world/tp; at dp > 1 --dp-mode replicate, the
 default, wraps tpflash and plain in DDP (the trainer's fsdp=off), fsdp shards them with FSDP2, zero1
 shards tpflash's AdamW state over dp (the trainer's fsdp=zero1, what fsdp=auto picks where it fits);
-dtensor always uses FSDP2 over dp, as torchtitan composes it with TP):
+dtensor always uses FSDP2 over dp, as torchtitan composes it with TP; "impl@mode" gives one row its own):
     torchrun --nproc_per_node=2 benchmarks/bench_e2e.py --tp 2 --models gpt-1.3b,gpt-2.7b
+    torchrun --nproc_per_node=4 benchmarks/bench_e2e.py --tp 1 --models llama-1b \
+        --impls tpflash-graphs@zero1,tpflash@replicate,tpflash@fsdp,torchtitan
     python benchmarks/bench_e2e.py --tiny          # CPU/gloo smoke test: never report its timings
 Every implementation trains the same model, GPT-2 style (learned positions, LayerNorm, GELU-tanh, tied
 embeddings, biases) or with --models llama-1b Llama style (RoPE, RMSNorm, SwiGLU, GQA, untied head, no
@@ -71,6 +73,7 @@ IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-seria
          *FP8, "plain", "plain-compile", "dtensor", "dtensor-compile", *EXTERNAL)
 OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives overlapped with the GEMMs
 OVERLAP_OFF = ("tpflash-nooverlap", "tpflash-graphs-serial")  # forced off; the others: the library default
+DP_MODES = ("replicate", "fsdp", "zero1")
 BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile": "plain-compile"}
 
 
@@ -259,9 +262,10 @@ def parse_args(argv=None):
     p.add_argument("--impls", default=None, help=f"comma list of {IMPLS} (default: tpflash-graphs, the trainer's "
                    "choice, then at tp=1 the fp8 rows, tpflash, plain, plain-compile and the external peers; at tp>1 "
                    "tpflash, tpflash-nooverlap, dtensor*, torchtitan)")
-    p.add_argument("--dp-mode", choices=("replicate", "fsdp", "zero1"), default="replicate",
+    p.add_argument("--dp-mode", choices=DP_MODES, default="replicate",
                    help="at dp > 1: DDP (tpflash and plain), FSDP2 over dp, or zero1 (tpflash: AdamW's state sharded "
-                   "over dp, the trainer's fsdp=zero1; plain: FSDP2, as under fsdp); dtensor: FSDP2 either way")
+                   "over dp, the trainer's fsdp=zero1; plain: FSDP2, as under fsdp); dtensor: FSDP2 either way. One "
+                   "row's own: --impls tpflash-graphs@zero1,tpflash@fsdp")
     p.add_argument("--zero1-in-graphs", choices=("on", "off"), default="on",
                    help="--dp-mode zero1, graphed rows: the blocks' reduce-scatters and all-gathers inside the graphs, "
                    "overlapped with the blocks (on, the trainer's choice at one micro-batch per step) or after them")
@@ -295,6 +299,16 @@ def parse_args(argv=None):
     return args
 
 
+def _impl_and_dp_mode(spec: str, default_mode: str) -> tuple:
+    """"tpflash-graphs@zero1" -> ("tpflash-graphs", "zero1"); without "@": --dp-mode's."""
+    impl, _, mode = spec.partition("@")
+    if impl not in IMPLS:
+        raise ValueError(f"{impl!r} is not an implementation {IMPLS}")
+    if mode and mode not in DP_MODES:
+        raise ValueError(f"{spec!r}: the dp mode after '@' must be one of {DP_MODES}")
+    return impl, mode or default_mode
+
+
 def print_table(args) -> None:
     with open(args.results) as f:
         text = table([json.loads(line) for line in f if line.strip()], IMPLS, BASELINE)
@@ -315,16 +329,16 @@ def main(argv=None) -> None:
     rest = ([*FP8, "tpflash", "plain", "plain-compile", *EXTERNAL] if ps.tp_size == 1
             else ["tpflash", "tpflash-nooverlap", "dtensor", "dtensor-compile", "torchtitan"])
     default = ",".join(["tpflash-graphs", *rest])
-    impls = (args.impls or default).split(",")
-    for name in impls + args.models.split(","):
-        if name not in IMPLS and name not in MODELS:
-            raise ValueError(f"{name!r} is neither an implementation {IMPLS} nor a model {sorted(MODELS)}")
+    impls = [_impl_and_dp_mode(spec, args.dp_mode) for spec in (args.impls or default).split(",")]
+    for name in args.models.split(","):
+        if name not in MODELS:
+            raise ValueError(f"{name!r} is not a model {sorted(MODELS)}")
     rows = []
     for model_name in args.models.split(","):
-        for impl in impls:
+        for impl, dp_mode in impls:
             if ps.rank == 0:
-                print(f"[bench_e2e] {model_name} {impl} tp={ps.tp_size}", flush=True)
-            rows.append(run_config(model_name, impl, args, ps))
+                print(f"[bench_e2e] {model_name} {impl} tp={ps.tp_size} dp={ps.dp_size} ({dp_mode})", flush=True)
+            rows.append(run_config(model_name, impl, argparse.Namespace(**{**vars(args), "dp_mode": dp_mode}), ps))
             if ps.rank == 0:
                 print(f"[bench_e2e]   {json.dumps(rows[-1])}", flush=True)
                 with open(args.results, "a") as f:

@@ -6,9 +6,10 @@ from typing import Dict, Sequence
 
 def table(rows: list, impls: Sequence[str], baseline: Dict[str, str]) -> str:
     """Markdown table of every row, sorted by model, tp and the order of `impls`, with TP scaling
-    efficiency: tokens/s per GPU over the tp=1 row of the same impl, or of baseline[impl] when given
-    (dtensor against plain)."""
-    tp1 = {(r["model"], r["impl"]): r["tok_s_gpu"] for r in rows if r["tp"] == 1 and "tok_s_gpu" in r}
+    efficiency: tokens/s per GPU over the one-GPU (tp=1, dp=1) row of the same impl, or of baseline[impl]
+    when given (dtensor against plain)."""
+    tp1 = {(r["model"], r["impl"]): r["tok_s_gpu"] for r in rows
+           if r["tp"] == 1 and r.get("dp", 1) == 1 and "tok_s_gpu" in r}
     order = {name: i for i, name in enumerate(tuple(impls) + ("collectives-alone",))}
     rows = sorted(rows, key=lambda r: (r["model"], r["tp"], order.get(r["impl"], 99)))
     lines = ["| model | impl | tp x dp | tokens/s/GPU | MFU | step ms | peak GiB | TP eff. | note |",

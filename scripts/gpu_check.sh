@@ -21,12 +21,14 @@
 #                                     and Liger; their wheels from .whl/ (scripts/gpu_wheels.sh) where present
 #   bash scripts/gpu_check.sh fp8-accuracy  one GPU: benchmarks/fp8_accuracy.sh (bf16 and each recipe, 1,000
 #                                     steps of a 1B model; MODES= picks runs), then its table and PNG
-#   bash scripts/gpu_check.sh dp      2 or 4 GPUs: zero1 against DDP over NCCL, then the training step of
-#                                     $MODELS (default llama-1b; BATCH sequences per rank, default 4) at
-#                                     tp=1 x dp=N (and tp=2 x dp=2 on 4 GPUs) in each way of holding the model
-#                                     over dp (zero1 graphed, its dp collectives inside the graphs and after
-#                                     them; DDP eager and graphed unless NO_DDP=1; FSDP2
-#                                     eager) beside torchtitan (FSDP2, TP), its wheels from .whl/ where present
+#   bash scripts/gpu_check.sh dp      2 or 4 GPUs: zero1 against DDP over NCCL (NO_TESTS=1 skips it), then the
+#                                     training step of $MODELS (default llama-1b; BATCH sequences per rank,
+#                                     default 4) at tp=1 x dp=N (and tp=2 x dp=2 on 4 GPUs; TPS= picks) in each
+#                                     way of holding the model over dp, one launch per layout (zero1 graphed
+#                                     with its dp collectives inside the graphs; DDP graphed and, at tp=1,
+#                                     eager; FSDP2 eager; IMPLS= picks, as bench_e2e's impl@dp-mode list)
+#                                     beside torchtitan (FSDP2, TP), its wheels from .whl/ where present;
+#                                     PROFILE=1 adds each row's communication and exposed time
 #   bash scripts/gpu_check.sh         tests, then bench
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the symmetric-memory equivalents): some shared
 # machines do not allow it. The fused-dense extension has its own check: benchmarks/fused_dense_check.sh.
@@ -109,23 +111,20 @@ torchao-fp8-tensorwise-compile,liger 2>&1 | grep "bench_e2e\]\|Error"
 dp() {  # the ways of holding the model over dp, on 2 or 4 GPUs, beside torchtitan (its wheels from .whl/)
   [ "$GPUS" -ge 2 ] || { echo "dp needs 2 GPUs"; return 1; }
   peer_wheels
-  echo "== zero1 against DDP over NCCL =="
-  timeout 240 $PYTEST tests/distributed/test_zero_device.py tests/distributed/test_graphed_blocks.py 2>&1 \
-    | tee "$OUT/zero_nccl.log" | tail -5
+  if [ -z "${NO_TESTS:-}" ]; then
+    echo "== zero1 against DDP over NCCL =="
+    timeout 240 $PYTEST tests/distributed/test_zero_device.py 2>&1 | tee "$OUT/zero_nccl.log" | tail -5
+  fi
   local nproc=$(( GPUS >= 4 ? 4 : 2 )) tp
   local e2e="benchmarks/bench_e2e.py --models ${MODELS:-llama-1b} --batch ${BATCH:-4} --seq 2048 --steps ${STEPS:-8}"
-  e2e="$e2e --warmup 3 --results $OUT/bench_dp.jsonl"
-  for tp in 1 $([ "$nproc" -ge 4 ] && echo 2); do
+  e2e="$e2e --warmup 3 --results $OUT/bench_dp.jsonl ${PROFILE:+--profile}"
+  for tp in ${TPS:-1 $([ "$nproc" -ge 4 ] && echo 2)}; do
     echo "== training step, $nproc GPUs, tp=$tp x dp=$((nproc / tp)): zero1, DDP, FSDP2, torchtitan =="
-    local where
-    for where in on off; do  # the blocks' dp collectives inside the graphs (the trainer's choice), or after them
-      timeout 200 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode zero1 --zero1-in-graphs $where \
-        --impls tpflash-graphs 2>&1 | grep "bench_e2e\]\|Error"
-    done
-    [ -n "${NO_DDP:-}" ] || timeout 200 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode replicate \
-      --impls tpflash,tpflash-graphs 2>&1 | grep "bench_e2e\]\|Error"
-    timeout 280 $RUN --nproc_per_node=$nproc $e2e --tp $tp --dp-mode fsdp --impls ${FSDP_IMPLS:-tpflash,torchtitan} \
-      2>&1 | grep "bench_e2e\]\|Error"
+    # zero1 graphed (its dp collectives inside the graphs: the trainer's choice), DDP (eager: the trainer's
+    # choice at tp=1; graphed), FSDP2 eager, torchtitan (FSDP2, and TP at tp > 1)
+    local ddp="tpflash-graphs@replicate$([ "$tp" = 1 ] && echo ,tpflash@replicate)"
+    timeout ${RUN_TIMEOUT:-290} $RUN --nproc_per_node=$nproc $e2e --tp $tp \
+      --impls ${IMPLS:-tpflash-graphs@zero1,$ddp,tpflash@fsdp,torchtitan@fsdp} 2>&1 | grep "bench_e2e\]\|Error"
   done
   python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_dp.jsonl" --table "$OUT/table_dp.md"
 }

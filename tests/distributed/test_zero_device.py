@@ -26,8 +26,10 @@ def device_body(tp):
         assert_close(p, dict(reference.named_parameters())[name], name, tol=tol)
 
 
-# dp=2 on 2 ranks and tp=2 x dp=2 on 4: over NCCL wherever that many GPUs are visible
-LAYOUTS = pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)], ids=["dp2", "dp2-tp2"])
+# dp=2 on 2 ranks and tp=2 x dp=2 on 4: over NCCL wherever that many GPUs are visible (gloo on CPU);
+# dp=4 on 4 GPUs only (dp2 is its CPU twin)
+LAYOUTS = pytest.mark.parametrize("world,tp", [(2, 1), (4, 2), pytest.param(4, 1, marks=pytest.mark.gpu)],
+                                  ids=["dp2", "dp2-tp2", "dp4"])
 
 
 @LAYOUTS
