@@ -36,3 +36,16 @@ def test_without_triton_auto_runs_the_reference_and_forcing_triton_says_why(monk
     assert dispatch.pick(torch.zeros(1)) == "reference"
     with use_backend("triton"), pytest.raises(ValueError, match="Triton is not installed"):
         dispatch.pick(torch.zeros(1))
+
+
+def test_use_backend_reaches_other_threads_such_as_autograds_device_thread(monkeypatch):
+    """A CUDA backward runs on autograd's own thread: it must see the backend forced around it."""
+    import threading
+    monkeypatch.delenv("TPFLASH_KERNELS", raising=False)
+    seen = []
+    with use_backend("reference"):
+        worker = threading.Thread(target=lambda: seen.append(dispatch.requested_backend()))
+        worker.start()
+        worker.join()
+    assert seen == ["reference"]
+    assert dispatch.requested_backend() == "auto"

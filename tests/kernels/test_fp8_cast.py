@@ -251,8 +251,8 @@ def test_nan_and_inf_come_out_as_in_quantize_on_gpu(scaling, fp8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_fp8_linears_on_the_triton_casts_give_the_reference_bits_on_gpu(recipe, monkeypatch):
-    """The backend is set through TPFLASH_KERNELS, not use_backend: autograd runs a CUDA backward on its
-    own device thread, where use_backend's context variable is not set."""
+    """Reference casts against the Triton casts, forward and backward (which autograd runs on its own
+    thread on CUDA: the environment variable and use_backend both reach it)."""
     from tests.test_fp8_linear import operands
     from tpflash.layers.fp8_linear import fp8_linears
     x, w, dy = (t.to(DEVICE) for t in operands(m=512, k=1024, n=768))

@@ -4,12 +4,13 @@
 Triton is imported only when a kernel runs: CPU installs need no Triton (CUDA builds of torch
 bring it), and a CUDA machine without it runs the references.
 `TPFLASH_KERNELS=auto|triton|reference` sets the process-wide choice; `use_backend(name)`
-overrides it inside a `with` block (tests force "triton" on CPU under TRITON_INTERPRET=1).
+overrides it inside a `with` block (tests force "triton" on CPU under TRITON_INTERPRET=1), for
+every thread: autograd runs a CUDA backward on a thread of its own, which must see the same choice
+(a context variable would not reach it).
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import os
@@ -18,7 +19,7 @@ from typing import Iterator, Optional
 import torch
 
 BACKENDS = ("auto", "triton", "reference")
-_forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tpflash_kernels_backend", default=None)
+_forced: Optional[str] = None  # use_backend's choice, process-wide
 
 
 def _check(name: str, where: str) -> str:
@@ -29,20 +30,21 @@ def _check(name: str, where: str) -> str:
 
 def requested_backend() -> str:
     """The backend asked for: the innermost `use_backend`, else $TPFLASH_KERNELS, else "auto"."""
-    forced = _forced.get()
-    if forced is not None:
-        return forced
+    if _forced is not None:
+        return _forced
     return _check(os.environ.get("TPFLASH_KERNELS", "auto").strip().lower() or "auto", "TPFLASH_KERNELS")
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Force `name` ("auto", "triton" or "reference") for the kernel calls made inside the block."""
-    token = _forced.set(_check(name, "backend"))
+    """Force `name` ("auto", "triton" or "reference") for the kernel calls made while the block runs, on
+    any thread (the backward of a forward run inside it too, if run inside it)."""
+    global _forced
+    outer, _forced = _forced, _check(name, "backend")
     try:
         yield
     finally:
-        _forced.reset(token)
+        _forced = outer
 
 
 @functools.lru_cache(maxsize=None)
