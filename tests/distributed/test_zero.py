@@ -5,7 +5,7 @@ import torch
 from tests.checkpoint.tiny_model import batch, build, full_state, make_optimizer, BATCH
 from tests.distributed.checks import assert_close, init_layout, init_tp
 from tpflash.parallel import ShardedOptimizerState, replicate_over_dp
-from tpflash.parallel.zero import assign_owners, bytes_per_param
+from tpflash.parallel.zero import assign_owners, bytes_per_param, split_unbalanced
 from tpflash.train.gradients import clipped_step, global_grad_norm
 
 pytestmark = pytest.mark.cpu_ranks  # the tiny models live on CPU: gloo even where GPUs are visible
@@ -20,6 +20,18 @@ def test_owners_balance_the_ranks_within_one_tensor():
     loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(3)]
     assert max(loads) - min(loads) <= max(sizes), loads
     assert owners == assign_owners(sizes, 3), "the assignment must be the same on every rank"
+
+
+def test_tensors_too_large_to_balance_leave_the_equal_segments_largest_first():
+    embedding, head, norm = 128256 * 4096, 128256 * 4096, 4096
+    # each would pad the others' segments to its size; the norm, then alone, has one owner too
+    assert split_unbalanced([embedding, head, norm], 4) == [0, 1, 2]
+    assert split_unbalanced([embedding, head, norm], 2) == [], "two ranks, one each: balanced"
+    llama_block = [4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 14336 * 4096, 14336 * 4096, 4096 * 14336,
+                   4096, 4096]
+    assert split_unbalanced(llama_block, 4) == [], "a block's tensors balance four ranks within a quarter"
+    assert split_unbalanced([1000], 2) == [0], "one tensor alone: one owner"
+    assert split_unbalanced([1000], 1) == []
 
 
 def test_zero1_memory_per_parameter_is_weights_gradients_and_a_dp_share_of_adam():
@@ -118,3 +130,35 @@ def test_zero1_holds_weights_gradients_and_a_dp_share_of_the_adam_state(ranks):
         assert held["grads"] == held["params"]
         assert adam < 8 * n * 0.6, f"a rank of 4 holds {adam} of {8 * n} bytes of AdamW state"
 
+
+
+def embedding_heavy_body():
+    from tpflash.models import GPT, GPTConfig
+    ps = init_tp(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=4096, block_size=16, n_layer=2, n_embd=32, n_head=4,
+                                 ffn_hidden=64, tie_embeddings=False))
+    n = sum(p.numel() for p in model.parameters())
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    zero = ShardedOptimizerState(model, ps)
+    grads = {name: torch.full_like(p, float(ps.dp_rank + 1)) for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad.copy_(grads[name])
+    zero.reduce_gradients()
+    averaged = {name: p.grad.clone() for name, p in model.named_parameters() if name in zero.owned_names}
+    zero.step(lambda: [p.data.add_(1.0) for p in zero.owned_params])
+    changed = {name: bool((p != reference[name] + 1).any()) for name, p in model.named_parameters()}
+    return n, zero.bytes_per_rank()["params"], averaged, changed, sorted(zero.owned_names)
+
+
+def test_an_embedding_heavy_model_at_dp4_holds_its_weights_once_with_no_segment_padding(ranks):
+    results = ranks(4).run(embedding_heavy_body)
+    n = results[0][0]
+    for _, held, averaged, changed, _ in results:
+        assert held <= 4 * n * 1.05, f"{held} bytes of flat weights for {4 * n} bytes of parameters"
+        for name, grad in averaged.items():  # ranks give 1, 2, 3, 4: the average is 2.5 everywhere
+            assert torch.equal(grad, torch.full_like(grad, 2.5)), name
+        assert not any(changed.values()), "every rank holds every owner's update after the gather"
+    owned = [names for *_, names in results]
+    every = sorted(n for names in owned for n in names)
+    assert every == sorted(set(every)) and len(every) == len(changed), "each parameter has exactly one owner"

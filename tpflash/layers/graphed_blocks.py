@@ -172,6 +172,7 @@ class GraphedBlocks:
                 self.dp_sync.before_block(i)
                 with self._weight_cast([block], x):
                     x, residual = block(x, residual)
+        self.dp_sync.after_blocks()  # and the head, run eagerly after the replay, for its weights'
         return x, residual
 
     def _one_grad_bucket(self):

@@ -7,9 +7,12 @@ saving is the optimizer state (8 of the 16 bytes per fp32 parameter that DDP hol
 only that keeps the parameters plain tensors at fixed addresses:
 
 - every parameter becomes a view into one flat buffer per dtype (its gradient a view into a
-  second), cut into buckets (everything outside the transformer blocks, then the blocks' own, a
-  block or a few per bucket); within a bucket each dp rank's *owned* parameters, whole tensors
-  assigned greedily by size, form one contiguous, equally sized segment (zero-padded);
+  second), cut into buckets (the embeddings and whatever else is outside the transformer blocks,
+  the blocks' own, a block or a few per bucket, then the head: final norm and output layer);
+  within a bucket each dp rank's *owned* parameters, whole tensors assigned greedily by size, form
+  one contiguous, equally sized segment (zero-padded). A tensor too large for that to balance (an
+  embedding or output layer beside a few small tensors, at dp > 2) would pad every segment to its
+  size: it leaves the bucket and is reduced to one owner and broadcast from it instead;
 - after the backward an in-place reduce-scatter per bucket leaves each rank its own segment of the
   summed gradients, which it divides by dp (the average DDP and FSDP take);
 - the optimizer steps only the owned parameters (the others have no `.grad` during the step, so
@@ -36,6 +39,7 @@ import contextlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .comm import _issue_all_gather, _issue_reduce_scatter
@@ -65,16 +69,18 @@ def assign_owners(sizes: Sequence[int], ranks: int) -> List[int]:
 
 class _Bucket:
     """Parameters of one dtype laid out as `ranks` equal segments of a flat region: rank r's owned
-    tensors, in model order, in [r * segment, (r + 1) * segment); zero padding after each."""
+    tensors, in model order, in [r * segment, (r + 1) * segment); zero padding after each. Reduced
+    by one reduce-scatter and gathered by one all-gather, in place."""
 
     def __init__(self, params: List[nn.Parameter], ranks: int, rank: int):
         self.params, self.rank = params, rank
         self.owners = assign_owners([p.numel() for p in params], ranks)
-        self.offsets, fill = [0] * len(params), [0] * ranks
+        offsets, fill = [0] * len(params), [0] * ranks
         for i, p in enumerate(params):
-            self.offsets[i], fill[self.owners[i]] = fill[self.owners[i]], fill[self.owners[i]] + _aligned(p.numel())
+            offsets[i], fill[self.owners[i]] = fill[self.owners[i]], fill[self.owners[i]] + _aligned(p.numel())
         self.segment = max(max(fill), _ALIGN)
         self.numel = self.segment * ranks
+        self.starts = [owner * self.segment + offset for owner, offset in zip(self.owners, offsets)]
 
     @torch.no_grad()
     def bind(self, flat_params: torch.Tensor, flat_grads: torch.Tensor) -> None:
@@ -82,8 +88,7 @@ class _Bucket:
         self.flat_params, self.flat_grads = flat_params, flat_grads
         self.owned: List[nn.Parameter] = []
         self.grad_views: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (parameter, its gradient view), not owned
-        for p, owner, offset in zip(self.params, self.owners, self.offsets):
-            start = owner * self.segment + offset
+        for p, owner, start in zip(self.params, self.owners, self.starts):
             view = flat_params[start:start + p.numel()].view_as(p)
             view.copy_(p)
             p.data = view  # the Parameter object stays (optimizer, graphs, names); its storage moves here
@@ -96,13 +101,65 @@ class _Bucket:
     def own(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.rank * self.segment:(self.rank + 1) * self.segment]
 
+    def reduce(self, group, ranks: int) -> None:
+        """Sum the gradients over the group into this rank's segment and divide by `ranks` (the other
+        segments keep this rank's partial sums, unused until zero_grad)."""
+        own = self.own(self.flat_grads)
+        _issue_reduce_scatter(own, self.flat_grads, group).wait()  # in place: `own` lies inside the input
+        own.div_(ranks)
 
-def _bucket_groups(model: nn.Module, blocks: Sequence[nn.Module],
-                   ranks: int) -> Tuple[List[nn.Parameter], List[List[nn.Parameter]]]:
-    """(rest, block groups): the parameters that need a gradient, in buckets. `rest` is everything
-    outside the blocks, plus the blocks' tp-partial-gradient parameters (complete only at the end of
-    the backward). The block groups follow in forward order, each of enough consecutive blocks to
-    give every rank a tensor twice over (one block has too few tensors to balance many ranks)."""
+    def gather(self, group) -> None:
+        """Every rank's segment into every rank's flat parameters."""
+        _issue_all_gather(self.flat_params, self.own(self.flat_params), group).wait()
+
+
+class _OneOwner(_Bucket):
+    """One parameter reduced to its owner (ncclReduce) and broadcast from it: for a tensor that equal
+    segments could not balance (it would pad every other rank's segment to its size)."""
+
+    def __init__(self, p: nn.Parameter, owner: int, rank: int):
+        self.params, self.rank, self.owners = [p], rank, [owner]
+        self.numel, self.starts = _aligned(p.numel()), [0]
+
+    def reduce(self, group, ranks: int) -> None:
+        grad = self.flat_grads[:self.params[0].numel()]
+        dist.reduce(grad, dst=dist.get_global_rank(group, self.owners[0]), group=group)
+        if self.rank == self.owners[0]:
+            grad.div_(ranks)
+
+    def gather(self, group) -> None:
+        dist.broadcast(self.flat_params[:self.params[0].numel()], src=dist.get_global_rank(group, self.owners[0]),
+                       group=group)
+
+
+def _padded(sizes: Sequence[int], ranks: int) -> int:
+    """Elements of the equal-segment layout of tensors of `sizes` over `ranks` (padding included)."""
+    fill = [0] * ranks
+    for size, owner in zip(sizes, assign_owners(sizes, ranks)):
+        fill[owner] += _aligned(size)
+    return max(max(fill), _ALIGN) * ranks
+
+
+def split_unbalanced(sizes: Sequence[int], ranks: int, waste: float = 0.25) -> List[int]:
+    """Indices of the tensors to take out of an equal-segment bucket, largest first, until its padding
+    is at most `waste` of its size (one tensor alone always leaves: a segment of its size per rank)."""
+    kept, out = list(range(len(sizes))), []
+    while kept and ranks > 1:
+        if _padded([sizes[i] for i in kept], ranks) <= (1 + waste) * sum(_aligned(sizes[i]) for i in kept):
+            break
+        out.append(max(kept, key=lambda i: (sizes[i], -i)))
+        kept.remove(out[-1])
+    return out
+
+
+def _bucket_groups(model: nn.Module, blocks: Sequence[nn.Module], head: Sequence[nn.Module], ranks: int
+                   ) -> Tuple[List[nn.Parameter], List[List[nn.Parameter]], List[nn.Parameter]]:
+    """(rest, block groups, head): the parameters that need a gradient, in buckets. `rest` is everything
+    outside the blocks and the head, plus the blocks' tp-partial-gradient parameters (complete only at
+    the end of the backward). The block groups follow in forward order, each of enough consecutive
+    blocks to give every rank a tensor twice over (one block has too few tensors to balance many
+    ranks). `head`: the parameters of the `head` modules (run after the blocks: their gradients are
+    complete before the blocks' backward starts)."""
     for p in model.parameters():
         if p.requires_grad and type(p) is not nn.Parameter:
             raise ValueError(f"fsdp=zero1 needs plain parameters, got {type(p).__name__} (is the model already "
@@ -119,9 +176,22 @@ def _bucket_groups(model: nn.Module, blocks: Sequence[nn.Module],
             groups[-1].extend(params)
         else:
             groups.append(list(params))
-    in_blocks = {id(p) for g in groups for p in g}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
-    return rest, [g for g in groups if g]
+    head_params = []
+    for m in head:
+        for p in m.parameters():
+            if p.requires_grad and id(p) not in seen:
+                head_params.append(p)
+                seen.add(id(p))
+    taken = {id(p) for g in groups for p in g} | {id(p) for p in head_params}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    return rest, [g for g in groups if g], head_params
+
+
+def _default_head(model: nn.Module, blocks: Sequence[nn.Module]) -> List[nn.Module]:
+    """What runs after the blocks in tpflash's GPT: the final norm and the untied output layer."""
+    if not blocks:
+        return []
+    return [m for m in (getattr(model, "final_norm", None), getattr(model, "lm_head", None)) if isinstance(m, nn.Module)]
 
 
 class ShardedOptimizerState:
@@ -135,24 +205,24 @@ class ShardedOptimizerState:
     owned parameters, then the all-gather), and `zero_grad()` instead of the optimizer's.
     `blocks` (default `model.blocks` where it has them): the transformer blocks, each bucket of
     which is reduced and gathered on its own, so that CUDA-graphed blocks can overlap that with
-    their compute (tpflash.parallel.zero_graphs). Collectives over the dp * cp group:
+    their compute (tpflash.parallel.zero_graphs); `head` (default the model's `final_norm` and
+    `lm_head`, where it has blocks): the modules run after them, bucketed apart (the graphs reduce
+    them first in the backward and gather them last). Collectives over the dp * cp group:
     `reduce_gradients` and `step`.
     """
 
-    def __init__(self, model: nn.Module, ps: ParallelState, blocks: Optional[Sequence[nn.Module]] = None):
+    def __init__(self, model: nn.Module, ps: ParallelState, blocks: Optional[Sequence[nn.Module]] = None,
+                 head: Optional[Sequence[nn.Module]] = None):
         self.group = ps.dp_cp_group
         self.ranks, self.rank = ps.dp_cp_size, ps.dp_cp_rank
         self.blocks = list(getattr(model, "blocks", []) if blocks is None else blocks)
-        rest, block_groups = _bucket_groups(model, self.blocks, self.ranks)
-        self.rest_buckets: List[_Bucket] = []  # everything outside the blocks' buckets, one per dtype
-        self.block_buckets: List[_Bucket] = []  # in forward order
-        for group in [rest] + block_groups:
-            by_dtype: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
-            for p in group:
-                by_dtype.setdefault((p.dtype, p.device), []).append(p)
-            made = [_Bucket(params, self.ranks, self.rank) for params in by_dtype.values()]
-            (self.rest_buckets if group is rest else self.block_buckets).extend(made)
-        self.buckets: List[_Bucket] = self.rest_buckets + self.block_buckets
+        head = _default_head(model, self.blocks) if head is None else list(head)
+        rest, block_groups, head_params = _bucket_groups(model, self.blocks, head, self.ranks)
+        self._alone_load = [0] * self.ranks  # elements of the one-owner tensors each rank owns so far
+        self.rest_buckets = self._buckets(rest)  # the embeddings, whatever else is outside blocks and head
+        self.block_buckets = [b for group in block_groups for b in self._buckets(group)]  # in forward order
+        self.head_buckets = self._buckets(head_params)
+        self.buckets: List[_Bucket] = self.rest_buckets + self.block_buckets + self.head_buckets
         self.flat: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
         for key in {(b.params[0].dtype, b.params[0].device) for b in self.buckets}:
             mine = [b for b in self.buckets if (b.params[0].dtype, b.params[0].device) == key]
@@ -167,6 +237,24 @@ class ShardedOptimizerState:
         owned = {id(p) for p in self.owned_params}
         self.owned_names = frozenset(n for n, p in model.named_parameters() if id(p) in owned)
         self.graph_sync = None  # a zero_graphs.GraphSync once graphed blocks reduce and gather their buckets
+
+    def _buckets(self, params: List[nn.Parameter]) -> List[_Bucket]:
+        """One bucket per dtype, less the tensors it could not balance (each then a _OneOwner of its own,
+        owned by the rank with the fewest such elements so far)."""
+        by_dtype: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault((p.dtype, p.device), []).append(p)
+        made: List[_Bucket] = []
+        for group in by_dtype.values():
+            alone = split_unbalanced([p.numel() for p in group], self.ranks)
+            for i in alone:
+                owner = min(range(self.ranks), key=lambda r: (self._alone_load[r], r))
+                self._alone_load[owner] += group[i].numel()
+                made.append(_OneOwner(group[i], owner, self.rank))
+            shared = [p for i, p in enumerate(group) if i not in alone]
+            if shared:
+                made.append(_Bucket(shared, self.ranks, self.rank))
+        return made
 
     def sync_in_graphs(self, blocks: Sequence[nn.Module]):
         """A tpflash.parallel.zero_graphs.GraphSync for `blocks` (this object's own blocks, graphed as one
@@ -186,17 +274,15 @@ class ShardedOptimizerState:
         return {"params": params, "grads": params, "adam_state": 2 * owned}
 
     def reduce_bucket(self, b: _Bucket) -> None:
-        """Average bucket b's gradients over the group into this rank's own segment, in place (the other
-        segments keep this rank's partial sums, unused until zero_grad)."""
+        """Average bucket b's gradients over the group into its owners' places, in place (elsewhere
+        this rank's partial sums stay, unused until zero_grad)."""
         if self.ranks > 1:
-            own = b.own(b.flat_grads)
-            _issue_reduce_scatter(own, b.flat_grads, self.group).wait()  # in place: `own` lies inside the input
-            own.div_(self.ranks)
+            b.reduce(self.group, self.ranks)
 
     def gather_bucket(self, b: _Bucket) -> None:
-        """Every rank's updated segment of bucket b into every rank's flat parameters, in place."""
+        """The owners' updated parameters of bucket b into every rank's flat parameters, in place."""
         if self.ranks > 1:
-            _issue_all_gather(b.flat_params, b.own(b.flat_params), self.group).wait()
+            b.gather(self.group)
 
     def reduce_gradients(self) -> None:
         """Average the accumulated gradients over the group, bucket by bucket (those the graphed blocks'

@@ -8,12 +8,15 @@ all-gathers every parameter after the optimizer step, with nothing left to compu
   gradient into the flat buffer; when a bucket's last gradient is there, its in-place
   reduce-scatter (and the divide by dp) is captured on a side stream, so the replay reduces bucket
   i while the blocks before it compute their gradients. The graph returns no gradient for those
-  parameters (they are in place already); everything else (embeddings, head, the blocks'
-  tp-partial-gradient parameters) is reduced after the backward as before.
+  parameters (they are in place already). The head's buckets (final norm, output layer), whose
+  gradients the eager head computed before the replay, are reduced first, at the graph's start.
+  Everything else (embeddings, the blocks' tp-partial-gradient parameters) is reduced after the
+  backward as before.
 - forward: the optimizer step's all-gather of each block bucket runs on a side stream and records
   an external CUDA event; the captured forward waits on that event just before the bucket's first
   block, so the next forward starts as soon as the embedding's bucket (gathered first, in order on
   the main stream) is there and gathers the later blocks' weights while the earlier ones compute.
+  The head's buckets are gathered last, and the forward graph's end waits for them.
   Anything else that reads the parameters between a step and the next training forward calls
   `ShardedOptimizerState.wait_for_parameters()` first (the trainer does before evaluating,
   sampling and saving; the eager path of GPT.forward does by itself).
@@ -60,6 +63,7 @@ class GraphSync:
             self.stream = torch.cuda.Stream()  # the all-gathers after the optimizer step
             self.side = torch.cuda.Stream()  # the captured reduce-scatters
             self.gathered = {id(b): torch.cuda.Event(external=True) for b in zero.block_buckets}
+            self.head_gathered = torch.cuda.Event(external=True)
         self.reduced = False  # this step's backward replay reduced the block buckets
 
     # ---- capture time --------------------------------------------------------------------------
@@ -69,9 +73,17 @@ class GraphSync:
             for b in self.first_use[index]:
                 torch.cuda.current_stream().wait_event(self.gathered[id(b)])
 
+    def after_blocks(self) -> None:
+        """Captured after the last block: wait for the head's all-gathers (the eager head runs next)."""
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.head_gathered)
+
     @contextlib.contextmanager
     def gradient_hooks(self) -> Iterator[None]:
-        """Around the captured backward: each bucket reduce-scattered once its gradients are in place."""
+        """Around the captured backward: the head's buckets reduced at its start (their gradients are
+        complete when it replays), each block bucket once its gradients are in place."""
+        for b in self.zero.head_buckets:
+            self._reduce(b)
         pending = {id(b): len(b.params) for b in self.zero.block_buckets}
         handles = []
 
@@ -113,19 +125,20 @@ class GraphSync:
         self.reduced = True
 
     def reduced_buckets(self) -> Sequence[object]:
-        return self.zero.block_buckets if self.reduced else ()
+        return self.zero.block_buckets + self.zero.head_buckets if self.reduced else ()
 
     def new_step(self) -> None:
         self.reduced = False
 
     def gather(self) -> None:
         """After the optimizer step: the rest's buckets in order (the embedding needs its weights first),
-        then the blocks' on the side stream, each recording the event its first block waits for."""
+        then the blocks' on the side stream, each recording the event its first block waits for, then
+        the head's."""
         zero = self.zero
         for b in zero.rest_buckets:
             zero.gather_bucket(b)
         if not self.cuda:
-            for b in zero.block_buckets:
+            for b in zero.block_buckets + zero.head_buckets:
                 zero.gather_bucket(b)
             return
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -133,6 +146,9 @@ class GraphSync:
             for b in zero.block_buckets:
                 zero.gather_bucket(b)
                 self.gathered[id(b)].record(self.stream)
+            for b in zero.head_buckets:
+                zero.gather_bucket(b)
+            self.head_gathered.record(self.stream)
 
     def wait_all(self) -> None:
         if self.cuda:
