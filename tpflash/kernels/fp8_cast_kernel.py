@@ -13,10 +13,11 @@ How the scales are taken (SCALE_BY):
            them first, so no launch sits between the two kernels.
 The cast writes x8 row-major ([rows, cols] contiguous), column-major (the same matrix stored as a
 contiguous [cols, rows]: torch._scaled_mm's second operand, and the transpose of its first), or both
-from one read. Scales follow quantize's formula, operation for operation: quant = (1 / max(amax,
-1e-12)) * FP8_MAX (a Python float over a tensor is reciprocal-then-multiply in torch), scale = 1 /
-quant, both divisions IEEE-rounded (div_rn: Triton's `/` is approximate on CUDA). A NaN in a slice
-makes its amax, and so its whole slice, NaN, as in quantize: an overflowed gradient stays visible.
+from one read (16-bit x; fp32 x is read once per layout, see triton_cast). Scales follow quantize's
+formula, operation for operation: quant = (1 / max(amax, 1e-12)) * FP8_MAX (a Python float over a
+tensor is reciprocal-then-multiply in torch), scale = 1 / quant, both divisions IEEE-rounded (div_rn:
+Triton's `/` is approximate on CUDA). A NaN in a slice makes its amax, and so its whole slice, NaN,
+as in quantize: an overflowed gradient stays visible.
 """
 from __future__ import annotations
 
@@ -138,15 +139,10 @@ def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, rows, cols, stride_row, amax_
         x8 = _on_fp8_grid(x * quant, FP8_MAX, MANTISSA, MIN_EXP)
         if WRITE_ROW:
             tl.store(OUT_ROW + r64[:, None] * cols + c[None, :], x8.to(OUT_ROW.dtype.element_ty), mask=mask)
-        if WRITE_COL:  # transposed in fp32, then cast: see the note above the launch settings
-            tl.store(OUT_COL + c.to(tl.int64)[:, None] * rows + r[None, :],
-                     tl.trans(x8).to(OUT_COL.dtype.element_ty), mask=tl.trans(mask))
+        if WRITE_COL:
+            tl.store(OUT_COL + c.to(tl.int64)[None, :] * rows + r[:, None], x8.to(OUT_COL.dtype.element_ty), mask=mask)
 
 
-# The column-major store transposes the fp32 tile and casts after: on an H200 (Triton 3.6) the
-# transpose of the already-cast fp8 tile, stored beside the row-major store of the same tile, wrote
-# wrong bytes for fp32 inputs (tests/kernels/test_fp8_cast.py, the fp32 shapes divisible by 16).
-#
 # Launches: [BLOCK_R, BLOCK_C] tiles and warps per kind of program. NOT YET TIMED ON A GPU: chosen by
 # reasoning, to be checked with benchmarks/fp8_cast.py. ROWS: one row per program, in tiles of up to
 # CAST_ROWS_MAX_C columns (a bf16 row of 4096 is 8 KB: the in-flight rows of all SMs stay in L2 for
@@ -208,8 +204,15 @@ def triton_cast(x: torch.Tensor, dtype: torch.dtype, scale_by: int, amax=None, r
         cfg = INTERPRET_LAUNCH
     column_programs = 1 if scale_by == ROWS else triton.cdiv(cols, cfg["BLOCK_C"])
     fp8_max, mantissa, min_exp = FORMATS[dtype]
-    _cast_kernel[(triton.cdiv(rows, cfg["BLOCK_R"]), column_programs)](
-        x, out_row, out_col, scale, amax, rows, cols, x.stride(0), amax_count, SCALE_BY=scale_by, WRITE_ROW=row,
-        WRITE_COL=col, FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_R=cfg["BLOCK_R"],
-        BLOCK_C=cfg["BLOCK_C"], BLOCK_A=BLOCK_A if x.is_cuda else INTERPRET_BLOCK_A, num_warps=cfg["WARPS"])
+    # Both layouts of an fp32 x: one launch per layout (x read twice; on every device, so the CPU tests
+    # run this path too). The kernel writing both
+    # from one read of fp32 x wrote wrong column-major bytes on an H200 (Triton 3.6) for shapes divisible
+    # by 16, while either store alone, and both from 16-bit x, are exact (tests/kernels/test_fp8_cast.py).
+    writes = [(True, False), (False, True)] if row and col and x.dtype == torch.float32 else [(row, col)]
+    for write_row, write_col in writes:
+        _cast_kernel[(triton.cdiv(rows, cfg["BLOCK_R"]), column_programs)](
+            x, out_row, out_col, scale, amax, rows, cols, x.stride(0), amax_count, SCALE_BY=scale_by,
+            WRITE_ROW=write_row, WRITE_COL=write_col, FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp,
+            BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], BLOCK_A=BLOCK_A if x.is_cuda else INTERPRET_BLOCK_A,
+            num_warps=cfg["WARPS"])
     return out_row, out_col, scale
