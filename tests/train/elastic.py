@@ -27,9 +27,9 @@ def env(**extra: str) -> Dict[str, str]:
     return out
 
 
-def torchrun(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 240,
-             fault: Optional[str] = None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=nproc -m tpflash.train args`; raises with the output on failure."""
+def launch(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 240,
+           fault: Optional[str] = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc -m tpflash.train args`, whatever its exit status."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "tpflash.train", *args]
     extra = {"TPFLASH_FAULT": fault} if fault else {}
@@ -41,9 +41,17 @@ def torchrun(nproc: int, args: List[str], max_restarts: int = 0, timeout: float 
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the session this call started
         out, err = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-4000:]}\n{err[-4000:]}")
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-4000:]}\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 240,
+             fault: Optional[str] = None) -> subprocess.CompletedProcess:
+    """launch(), raising with the output when the job fails."""
+    proc = launch(nproc, args, max_restarts, timeout, fault)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-4000:]}")
+    return proc
 
 
 def records(log_dir: str, kind: str = "train") -> List[dict]:

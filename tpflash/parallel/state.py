@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -157,6 +157,7 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: fl
     torchrun's store with keys per restart attempt under `--max-restarts`: see rendezvous.py);
     with none set, runs as a single process (world 1) on a local rendezvous. The backend is
     nccl when CUDA is available, else gloo. The device is cuda:LOCAL_RANK or cpu.
+    Every group it creates times out after `timeout_s` (set_group_timeouts).
     The layout is checked before any group is created, so bad input cannot hang. `agree`
     ({name: value} strings, e.g. the trainer's job fingerprint) is compared across the world once
     its process group exists and before the mesh is built: where ranks differ, every rank raises
@@ -177,7 +178,8 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: fl
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if not dist.is_initialized():
+    created_default = not dist.is_initialized()
+    if created_default:
         if "RANK" not in os.environ:  # plain `python script.py`: a world of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -193,6 +195,11 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: fl
     mesh = init_device_mesh(device.type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
     if cp > 1:  # a collective, so every rank makes it now rather than on first use; at cp=1 dp_mesh serves
         mesh["dp", "cp"]._flatten("dp_cp")
+    # the mesh's groups would otherwise get torch's defaults (gloo 30 min, NCCL 10 min); a caller's own
+    # default group keeps its timeout
+    dims = ("dp", "cp", "tp") + (("dp_cp",) if cp > 1 else ())
+    set_group_timeouts(timeout_s, [g for g in (mesh[d].get_group() for d in dims)
+                                   if created_default or g is not dist.group.WORLD])
     state = ParallelState(
         mesh=mesh, tp_group=mesh["tp"].get_group(), dp_group=mesh["dp"].get_group(),
         tp_rank=mesh["tp"].get_local_rank(), tp_size=tp,
@@ -200,6 +207,15 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: fl
         cp_group=mesh["cp"].get_group(), cp_rank=mesh["cp"].get_local_rank(), cp_size=cp)
     set_default_state(state)
     return state
+
+
+def set_group_timeouts(seconds: float, groups: Optional[Sequence[dist.ProcessGroup]] = None) -> None:
+    """Give `groups` (default: every process group of this process, the default group and any made
+    since) a timeout of `seconds` for their operations from now on. Groups made by `new_group` or a
+    DeviceMesh do not inherit the default group's timeout, so `init` calls this once its groups exist."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map) if groups is None else groups:
+        group.set_timeout(timeout)
 
 
 def _free_port() -> int:

@@ -1,7 +1,8 @@
 """The training configuration: dataclasses, loaded from YAML and overridden from the command line.
 
 A config has top-level keys (tp, dp, cp, cp_comm, seed, dtype, fsdp, cuda_graphs) and sections: `model` (a preset name
-or a Hugging Face model directory in `init_from`, and/or GPTConfig fields), `data`, `train` (optimisation and batch sizes), `checkpoint` and `log`.
+or a Hugging Face model directory in `init_from`, and/or GPTConfig fields), `data`, `train` (optimisation and batch sizes),
+`checkpoint`, `log` and `dist` (how long a rank waits for the others).
 YAML mirrors that nesting. Command-line overrides are `--section.key=value` (or
 `--section.key value`); a bare `--key=value` is accepted when the key names exactly one field
 (`--lr=3e-4` means `--train.lr=3e-4`; `--dir` is ambiguous and says so). Values are converted
@@ -112,6 +113,20 @@ class LogSection:
 
 
 @dataclass
+class DistSection:
+    """Timeouts, in seconds, of the waits between ranks (tpflash.train.watchdog): a rank that waits for the
+    others longer than this fails the job with one line naming the rank that did not arrive."""
+
+    timeout: float = 600.0  # every step after the first
+    long_timeout: float = 0.0  # start-up, the first step, evaluations, checkpoint saves; 0: 3 x timeout
+
+    @property
+    def long(self) -> float:
+        """long_timeout, or 3 x timeout when it is 0."""
+        return self.long_timeout or 3 * self.timeout
+
+
+@dataclass
 class TrainConfig:
     """Everything `python -m tpflash.train` needs. dtype: "auto" (bf16 autocast on CUDA, fp32 on
     CPU), "bf16" or "fp32". fsdp: how the dp ranks hold the model: "off" (replicated,
@@ -136,6 +151,7 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    dist: DistSection = field(default_factory=DistSection)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -250,6 +266,7 @@ _RANGES = {
     "data.max_bytes": _at_least(0), "data.seq_len": _at_least(0), "data.eval_fraction": _FRACTION,
     "checkpoint.interval": _at_least(0), "checkpoint.keep": _at_least(0),
     "log.interval": _at_least(1), "log.peak_flops": _at_least(0), "log.sample_tokens": _at_least(0),
+    "dist.timeout": _POSITIVE, "dist.long_timeout": _at_least(0),
 }
 
 
@@ -271,6 +288,9 @@ def check_values(cfg: TrainConfig) -> None:
     for key in list(_CHOICES) + list(_RANGES):
         section, _, leaf = key.rpartition(".")
         _checked(key, getattr(getattr(cfg, section) if section else cfg, leaf))
+    if 0 < cfg.dist.long_timeout < cfg.dist.timeout:
+        raise ValueError(f"config key 'dist.long_timeout': {cfg.dist.long_timeout!r} must be 0 (3 x dist.timeout) "
+                         f"or >= dist.timeout ({cfg.dist.timeout!r})")
 
 
 def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:

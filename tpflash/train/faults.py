@@ -1,9 +1,11 @@
 """Stopping cleanly on SIGTERM, and the fault-injection hook used by the elastic tests.
 
-TPFLASH_FAULT (read only here, only by the trainer) makes one rank SIGKILL itself once:
-  kill_at_step:N   right after optimizer step N, before any checkpoint of step N is written;
-  kill_in_save:N   while the checkpoint of step N is being written (after its first file
-                   appears under checkpoint.dir), so the save never commits.
+TPFLASH_FAULT (read only here, only by the trainer) makes one rank fail once:
+  kill_at_step:N   SIGKILL right after optimizer step N, before any checkpoint of step N is written;
+  kill_in_save:N   SIGKILL while the checkpoint of step N is being written (after its first file
+                   appears under checkpoint.dir), so the save never commits;
+  stall_at_step:N  SIGSTOP as step N begins: the process is alive but silent, and the others wait
+                   for it in their first collective of step N (tpflash.train.watchdog names it).
 The rank is TPFLASH_FAULT_RANK (default: the last rank). It fires only in the first attempt
 (TORCHELASTIC_RESTART_COUNT 0 or unset), so the job restarted by `torchrun --max-restarts`
 runs through.
@@ -21,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 
+KINDS = ("kill_at_step", "kill_in_save", "stall_at_step")
+
+
 class Fault:
     """The parsed TPFLASH_FAULT for this rank (or kind None: nothing to do)."""
 
@@ -30,12 +35,19 @@ class Fault:
         if not spec:
             return
         kind, _, step = spec.partition(":")
-        if kind not in ("kill_at_step", "kill_in_save") or not step.isdigit():
-            raise ValueError(f"TPFLASH_FAULT={spec!r}: expected kill_at_step:N or kill_in_save:N")
+        if kind not in KINDS or not step.isdigit():
+            raise ValueError(f"TPFLASH_FAULT={spec!r}: expected {', '.join(k + ':N' for k in KINDS)}")
         target = int(os.environ.get("TPFLASH_FAULT_RANK", world_size - 1))
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if rank == target and first_attempt:
             self.kind, self.step = kind, int(step)
+
+    def before_step(self, step: int) -> None:
+        """Called as step `step` begins (before its first collective)."""
+        if self.kind == "stall_at_step" and step == self.step:
+            print(f"[tpflash fault] rank {os.environ.get('RANK', '?')}: stall_at_step:{step}: SIGSTOP pid "
+                  f"{os.getpid()} at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def after_step(self, step: int) -> None:
         if self.kind == "kill_at_step" and step == self.step:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import parallel
 from ..kernels.fp8 import check_fp8_device
-from . import build, packing, resume_config
+from . import build, packing, resume_config, watchdog
 from .fingerprint import job_fingerprint
 from .config import TrainConfig, check_values, to_yaml
 from .data import (check_token_ids, load_tokens, make_tokenizer, token_format, token_source, split_train_eval,
@@ -48,7 +48,9 @@ class Trainer:
         build.check_context_parallel(cfg, self.model_config, self.seq_len, self.packed, model_cls)
         fingerprint = job_fingerprint(cfg, self.model_config, self.train_data.tokens,
                                       self.eval_data.tokens if self.eval_data else None)
-        self.ps = parallel.init(tp=cfg.tp, dp=dp, agree=fingerprint, cp=cfg.cp)  # every rank runs this same job, or all raise
+        self.trace_prefix = watchdog.flight_recorder_setup(cfg.log.dir, torch.cuda.is_available())  # before NCCL exists
+        self.ps = parallel.init(tp=cfg.tp, dp=dp, agree=fingerprint, cp=cfg.cp,  # every rank runs this same job, or all raise
+                                timeout_s=watchdog.group_timeout(cfg.dist.long, cfg.dist.timeout))
         self.checkpoint_warnings = []  # fallbacks past damaged steps, lock takeovers (also printed by rank 0)
         self.dir_lock = self._claim_checkpoint_dir()  # one job per checkpoint.dir: every rank raises if it is taken
         self.device = self.ps.device
@@ -63,6 +65,9 @@ class Trainer:
         self.sampler = GlobalSampler(len(self.train_data), cfg.seed)
         self.step, self._saved_step = 0, -1
         self.fault = Fault(dist.get_rank(), dist.get_world_size())
+        # a rank that waits too long for the others fails the job naming who did not arrive (watching in run())
+        self.watch = watchdog.HangWatch(cfg.dist.timeout, cfg.dist.long, watchdog.trainer_groups(self.ps),
+                                        self.trace_prefix, on_exit=[self.release_checkpoint_dir])
         # the first step whose gradient norm was not finite (-1: none): kept on the device, so that no
         # step waits for the GPU; read where the loop syncs anyway (log steps) and before every save
         self._first_nonfinite = torch.full((), -1, dtype=torch.int64, device=self.device)
@@ -229,6 +234,7 @@ class Trainer:
         ck = self.cfg.checkpoint
         if not ck.dir or self._saved_step == self.step:
             return
+        self.watch.enter("save")
         self.check_finite()
         self._parameters_ready()
         from .. import checkpoint
@@ -251,6 +257,7 @@ class Trainer:
         out = self.cfg.checkpoint.export_hf
         if not out:
             return None
+        self.watch.enter("export")
         self.check_finite()
         self._parameters_ready()
         from ..models import save_pretrained
@@ -287,6 +294,7 @@ class Trainer:
         times dp, so that the mean over dp is the global mean), "grad_norm": the global norm before
         clipping (tensor), "lr": the lr this step used}."""
         plan, ps = self.plan, self.ps
+        self.watch.begin_step(self.step + 1)
         self.model.train()
         indices = self.sampler.rank_slice(plan.batch_size, ps.dp_rank, ps.dp_size)  # [per_rank]
         divisor = self._loss_divisor(self.train_data, lambda: self.sampler.indices(self.sampler.consumed,
@@ -294,20 +302,25 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i in range(plan.grad_accum):
             x, y, kwargs = self._micro_batch(self.train_data, indices[i * plan.micro:(i + 1) * plan.micro])
+            self.watch.enter("forward")
             with self._gradient_sync(i == plan.grad_accum - 1):
                 with build.autocast(self.device, self.amp_dtype):
                     loss = self._train_forward(x, y, **kwargs)
+                self.watch.enter("backward")
                 (loss / divisor).backward()
             loss_sum += loss.detach().float()
         self.sampler.advance(plan.batch_size)
         if self.zero is not None:  # each rank's own parameters' gradients, averaged over dp
+            self.watch.enter("gradients")
             self.zero.reduce_gradients()
+        self.watch.enter("norm")
         params = self.model.parameters() if self.zero is None else self.zero.owned_params
         norm = global_grad_norm(self.model, ps.tp_group, ps.dp_cp_group, self.dp_mode != "off", self.sharded_ids,
                                 params=params)
         first_bad = (self._first_nonfinite < 0) & ~torch.isfinite(norm)
         self._first_nonfinite = torch.where(first_bad, self.step + 1, self._first_nonfinite)
         lr = self.schedule.lr
+        self.watch.enter("optimizer")
         if self.zero is None:
             clipped_step(self.optimizer, self.model.parameters(), norm, self.cfg.train.clip)
             self.optimizer.zero_grad(set_to_none=True)
@@ -345,6 +358,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         n = len(self.eval_data)
         for k in range(self.cfg.train.eval_batches):
+            self.watch.enter("eval")
             start = k * plan.batch_size + ps.dp_rank * plan.per_rank
             indices = [(start + j) % n for j in range(plan.per_rank)]
             for i in range(plan.grad_accum):
@@ -403,14 +417,17 @@ class Trainer:
         tracer = StepTracer(cfg.log.trace, cfg.log.dir, dist.get_rank(), self.device, note=out.note)
         last: Dict[str, float] = {}
         losses = []  # this rank's step losses since the last log line (tensors: no host sync per step)
+        self.watch.start()
         try:
             while self.step < cfg.train.steps:
+                self.fault.before_step(self.step + 1)
                 with tracer.step(self.step + 1):
                     result = self.train_step()
                 meter.add(self.plan.batch_size * self.seq_len)
                 losses.append(result["loss"])
                 self.fault.after_step(self.step)
                 if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
+                    self.watch.enter("log")
                     self.check_finite()
                     last = {"loss": self._dp_mean(torch.stack(losses).mean()), "lr": result["lr"],
                             "grad_norm": result["grad_norm"].item(), "epoch": self.sampler.epoch,
@@ -422,6 +439,7 @@ class Trainer:
                     with meter.paused(self.device):  # tokens/s is the training's: eval and saves left out
                         out.log(self.step, {"eval_loss": self.evaluate()}, kind="eval")
                 out.advance(self.step, {"loss": last.get("loss", float("nan"))})
+                self.watch.enter("vote")
                 if stop.agreed():
                     out.note(f"SIGTERM: saving step {self.step} and exiting")
                     self.save()
@@ -439,6 +457,7 @@ class Trainer:
             finish(out, cfg, meter, first_step, self.step, self._saved_step, last, self.device)
             return last
         finally:
+            self.watch.close()
             tracer.close()
             stop.restore()
             out.close()
