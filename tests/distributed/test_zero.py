@@ -24,14 +24,14 @@ def test_owners_balance_the_ranks_within_one_tensor():
 
 def test_tensors_too_large_to_balance_leave_the_equal_segments_largest_first():
     embedding, head, norm = 128256 * 4096, 128256 * 4096, 4096
-    # each would pad the others' segments to its size; the norm, then alone, has one owner too
-    assert split_unbalanced([embedding, head, norm], 4) == [0, 1, 2]
+    assert split_unbalanced([embedding, head, norm], 4) == [0, 1], "each would pad the others' segments to its size"
     assert split_unbalanced([embedding, head, norm], 2) == [], "two ranks, one each: balanced"
+    assert split_unbalanced([embedding, norm], 2) == [0], "alone, a large tensor takes a segment per rank"
     llama_block = [4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 14336 * 4096, 14336 * 4096, 4096 * 14336,
                    4096, 4096]
     assert split_unbalanced(llama_block, 4) == [], "a block's tensors balance four ranks within a quarter"
-    assert split_unbalanced([1000], 2) == [0], "one tensor alone: one owner"
-    assert split_unbalanced([1000], 1) == []
+    assert split_unbalanced([1000, 10], 2) == [], "small tensors stay in the bucket, padded"
+    assert split_unbalanced([embedding], 1) == []
 
 
 def test_zero1_memory_per_parameter_is_weights_gradients_and_a_dp_share_of_adam():
@@ -136,7 +136,8 @@ def embedding_heavy_body():
     from tpflash.models import GPT, GPTConfig
     ps = init_tp(1)
     torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=4096, block_size=16, n_layer=2, n_embd=32, n_head=4,
+    # embedding and output layer of 2M elements each (large enough to leave their buckets), blocks of 12K
+    model = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=65536, block_size=16, n_layer=2, n_embd=32, n_head=4,
                                  ffn_hidden=64, tie_embeddings=False))
     n = sum(p.numel() for p in model.parameters())
     reference = {k: v.clone() for k, v in model.state_dict().items()}

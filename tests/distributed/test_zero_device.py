@@ -46,8 +46,7 @@ def graphed_gpt_body(tp, in_graph):
     from tests.distributed.test_graphed_blocks import BATCH, SEQ, amp, batch, config, twins
     ps = init_tp(tp)
     device = ps.device
-    # an untied head: its own buckets (reduced first in the captured backward, gathered last), the output
-    # layer reduced to one owner (too large to balance beside the final norm)
+    # an untied head: its own buckets, reduced first in the captured backward and gathered last
     graphed, eager = twins(config(sequence_parallel=tp > 1, tie_embeddings=False), device)
     zero = ShardedOptimizerState(graphed, ps)  # before the capture: the graphs keep the flat buffers' addresses
     sync = zero.sync_in_graphs(graphed.blocks) if in_graph else None

@@ -151,6 +151,8 @@ class GraphedBlocks:
             pool = torch.cuda.graph_pool_handle()
             self.fwd_graph, self.bwd_graph = _CudaGraph(pool), _CudaGraph(pool)
             self._warm_up()
+            if self.dp_sync is not None:
+                self.dp_sync.warm_up()
         else:
             self.fwd_graph = _EagerGraph(device.type, self.autocast_state)
             self.bwd_graph = _EagerGraph(device.type, self.autocast_state)

@@ -140,15 +140,25 @@ def _padded(sizes: Sequence[int], ranks: int) -> int:
     return max(max(fill), _ALIGN) * ranks
 
 
-def split_unbalanced(sizes: Sequence[int], ranks: int, waste: float = 0.25) -> List[int]:
-    """Indices of the tensors to take out of an equal-segment bucket, largest first, until its padding
-    is at most `waste` of its size (one tensor alone always leaves: a segment of its size per rank)."""
+# a tensor leaves its bucket only from this size on: below it the padding costs little, and reductions
+# of small tensors to one owner are where NCCL picks other algorithms than for the buckets' collectives
+ALONE_MIN_ELEMENTS = 1 << 20
+
+
+def split_unbalanced(sizes: Sequence[int], ranks: int, waste: float = 0.25,
+                     min_elements: int = ALONE_MIN_ELEMENTS) -> List[int]:
+    """Indices of the tensors to take out of an equal-segment bucket, largest first, while its padding
+    is more than `waste` of its size and the largest left has `min_elements` or more (a large tensor
+    alone leaves too: it would take a segment of its size per rank)."""
     kept, out = list(range(len(sizes))), []
     while kept and ranks > 1:
         if _padded([sizes[i] for i in kept], ranks) <= (1 + waste) * sum(_aligned(sizes[i]) for i in kept):
             break
-        out.append(max(kept, key=lambda i: (sizes[i], -i)))
-        kept.remove(out[-1])
+        largest = max(kept, key=lambda i: (sizes[i], -i))
+        if sizes[largest] < min_elements:
+            break
+        out.append(largest)
+        kept.remove(largest)
     return out
 
 

@@ -67,6 +67,16 @@ class GraphSync:
         self.reduced = False  # this step's backward replay reduced the block buckets
 
     # ---- capture time --------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Before the capture: each captured bucket's reduction and gathering once, eagerly. NCCL sets up
+        what an operation needs on its first use (a reduce to one owner, say), which a capture does not
+        allow. Safe on the state before training: the gradients are reduced and zeroed again, the
+        parameters gathered from their owners, who hold the same values."""
+        for b in self.zero.head_buckets + self.zero.block_buckets:
+            self.zero.reduce_bucket(b)
+            self.zero.gather_bucket(b)
+            b.flat_grads.zero_()
+
     def before_block(self, index: int) -> None:
         """Captured before block `index`: wait for the all-gather of the buckets it is first to use."""
         if self.cuda:
