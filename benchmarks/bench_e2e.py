@@ -32,7 +32,10 @@ Compiled variants compile each block (and, for plain, the head + loss), as torch
 Each row is appended as JSON to --results; the table printed at the end covers every row there, so a
 tp=2 run after a tp=1 run shows both and the TP scaling efficiency (tokens/s/GPU at tp=N over the
 same implementation at tp=1; dtensor is compared with plain). MFU uses 6N + 12*L*d*seq FLOPs/token
-against --peak-tflops (989, H100/H200 dense bf16). Step times are medians of steps timed between two
+against --peak-tflops (989, H100/H200 dense bf16). A row whose loss is not finite at any step is
+an error row, never a speed; every row's note gives its loss at the first step (before any update:
+equal for rows that start from the same weights) and after the timed steps, and fp8 rows the bf16
+row's beside it. Step times are medians of steps timed between two
 syncs (an isolated step); on CUDA the note also gives the mean ms per step with the host allowed one
 step ahead, as tpflash's trainer runs (a host-bound step is faster there).
 """
@@ -74,6 +77,9 @@ IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-seria
 OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives overlapped with the GEMMs
 OVERLAP_OFF = ("tpflash-nooverlap", "tpflash-graphs-serial")  # forced off; the others: the library default
 DP_MODES = ("replicate", "fsdp", "zero1")
+# whose loss after the timed steps each row's note shows beside its own: fp8 against bf16
+LOSS_REFERENCE = {**{impl: "tpflash-graphs" for impl in FP8}, "torchtitan-fp8": "torchtitan",
+                  "torchao-fp8-compile": "plain-compile", "torchao-fp8-tensorwise-compile": "plain-compile"}
 BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile": "plain-compile"}
 
 
@@ -179,7 +185,10 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
         if measured is None:  # retried outside the except block, so the failed attempt's memory is free
             _cleanup(ps)
             measured = _measure(impl, shape, args, ps, fallback=True)
-        model, opt, step_s, loss, extra = measured
+        model, opt, step_s, losses, extra = measured
+        row.update(loss_start=losses["start"], loss=losses["last"])
+        if not losses["finite"]:  # a failed row, never a speed
+            raise FloatingPointError(f"loss not finite (start {losses['start']:.4g}, last {losses['last']:.4g})")
         if "note" in extra:
             row["note"] = "; ".join(filter(None, [row.get("note"), extra.pop("note")]))
         row.update(extra)
@@ -190,7 +199,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             row["note"] = "; ".join(filter(None, [row.get("note"), "overlap " + ("on" if overlapped else "off")]))
         if impl.startswith("tpflash") and ps.tp_size > 1 and peer_collectives.comm_backend() != "nccl":
             row["note"] = "; ".join(filter(None, [row.get("note"), f"comm {peer_collectives.comm_backend()}"]))
-        row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu, loss=loss,
+        row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu,
                    mfu=tok_gpu * flops_per_token(shape, args) / (args.peak_tflops * 1e12),
                    peak_gib=_peak_gib(ps.device))
     except Exception as exc:  # one failing configuration must not kill the table
@@ -212,8 +221,8 @@ def _measure(impl, shape, args, ps, fallback: bool):
     opt = make_optimizer(model, ps.device, fused=not (fallback and not tpflash_impl))
     if getattr(model, "zero1", None) is not None:
         opt = Zero1Optimizer(model.zero1, opt)
-    step_s, loss, extra = time_steps(loss_fn, step_context, opt, args, ps)
-    return model, opt, step_s, loss, extra
+    step_s, losses, extra = time_steps(loss_fn, step_context, opt, args, ps)
+    return model, opt, step_s, losses, extra
 
 
 class Zero1Optimizer:
@@ -311,7 +320,7 @@ def _impl_and_dp_mode(spec: str, default_mode: str) -> tuple:
 
 def print_table(args) -> None:
     with open(args.results) as f:
-        text = table([json.loads(line) for line in f if line.strip()], IMPLS, BASELINE)
+        text = table([json.loads(line) for line in f if line.strip()], IMPLS, BASELINE, LOSS_REFERENCE)
     print(text, flush=True)
     if args.table:
         with open(args.table, "w") as f:

@@ -1,13 +1,18 @@
 """The markdown table of benchmarks/bench_e2e.py's result rows, with TP scaling efficiency."""
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 
-def table(rows: list, impls: Sequence[str], baseline: Dict[str, str]) -> str:
+def table(rows: list, impls: Sequence[str], baseline: Dict[str, str],
+          loss_reference: Optional[Dict[str, str]] = None) -> str:
     """Markdown table of every row, sorted by model, tp and the order of `impls`, with TP scaling
     efficiency: tokens/s per GPU over the one-GPU (tp=1, dp=1) row of the same impl, or of baseline[impl]
-    when given (dtensor against plain)."""
+    when given (dtensor against plain). Each row's note gives its loss at the first step and after the
+    timed steps, and where loss_reference[impl] names another impl (fp8 against bf16), that row's
+    loss after the timed steps at the same layout."""
+    loss_reference = loss_reference or {}
+    last = {(r["model"], r["impl"], r["tp"], r.get("dp", 1)): r["loss"] for r in rows if "loss" in r}
     tp1 = {(r["model"], r["impl"]): r["tok_s_gpu"] for r in rows
            if r["tp"] == 1 and r.get("dp", 1) == 1 and "tok_s_gpu" in r}
     order = {name: i for i, name in enumerate(tuple(impls) + ("collectives-alone",))}
@@ -22,7 +27,12 @@ def table(rows: list, impls: Sequence[str], baseline: Dict[str, str]) -> str:
         else:
             base = tp1.get((r["model"], baseline.get(r["impl"], r["impl"]) if r["tp"] > 1 else r["impl"]))
             eff = f"{r['tok_s_gpu'] / base:.2f}" if base else ""
-            notes = [f"loss {r['loss']:.3f}", r.get("note")]
+            loss = f"loss {r['loss_start']:.3f} -> {r['loss']:.3f}" if "loss_start" in r else f"loss {r['loss']:.3f}"
+            ref = loss_reference.get(r["impl"])
+            ref_loss = last.get((r["model"], ref, r["tp"], r.get("dp", 1)))
+            if ref_loss is not None:
+                loss += f" ({ref}: {ref_loss:.3f})"
+            notes = [loss, r.get("note")]
             if "host_ms" in r:
                 notes.append(f"host {r['host_ms']:.0f} ms")
             if "ahead_ms" in r:

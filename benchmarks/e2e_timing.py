@@ -4,6 +4,7 @@ runs), the SM clock and power over both, and optionally a profile and a cProfile
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import time
@@ -28,7 +29,8 @@ def describe(exc: BaseException) -> str:
 
 
 def time_steps(loss_fn, step_context, opt, args, ps):
-    """Median seconds per optimizer step after warm-up, and the first timed step's loss."""
+    """(median seconds per optimizer step after warm-up, the losses: {"start": the first step's, before
+    any update, "last": the last timed step's, "finite": whether every step's was}, extra)."""
     gen = torch.Generator().manual_seed(1234 + ps.dp_rank)  # same batch on all tp ranks of a dp rank
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(ps.device)
     inputs, targets = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
@@ -45,7 +47,7 @@ def time_steps(loss_fn, step_context, opt, args, ps):
 
     times, host, losses = [], [], []
     for _ in range(args.warmup):
-        one_step()
+        losses.append(float(_full(one_step())))  # not timed: the sync costs nothing here
     # the clock and power over the timed steps: a GPU at its power cap runs its GEMMs slower (e2e_telemetry)
     telemetry = GpuTelemetry(ps.device.index if ps.device.type == "cuda" else -1)
     with telemetry if ps.device.type == "cuda" and not args.no_telemetry else contextlib.nullcontext():
@@ -57,7 +59,7 @@ def time_steps(loss_fn, step_context, opt, args, ps):
             sync(ps.device)
             times.append(time.perf_counter() - t0)
             host.append(t_host - t0)
-            losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+            losses.append(float(_full(loss)))
     # host_ms close to step_ms: the step is bound by Python/launch overhead (or syncs), not by the GPU
     extra = {"host_ms": 1e3 * statistics.median(host), **telemetry.summary()}
     if ps.device.type == "cuda":
@@ -73,7 +75,12 @@ def time_steps(loss_fn, step_context, opt, args, ps):
             extra["note"] = f"profile failed: {describe(exc)[:60]}"
     if args.cprofile:
         python_profile(one_step, ps, args.cprofile)
-    return statistics.median(times), losses[0], extra
+    summary = {"start": losses[0], "last": losses[-1], "finite": all(math.isfinite(v) for v in losses)}
+    return statistics.median(times), summary, extra
+
+
+def _full(loss: torch.Tensor) -> torch.Tensor:
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 def one_step_ahead_s(one_step, steps: int, device) -> float:

@@ -251,3 +251,27 @@ def test_the_liger_peer_computes_the_plain_peers_loss_and_gradients():
     pytest.importorskip("liger_kernel.transformers")
     plain, liger, worst = liger_against_plain("cuda")
     assert abs(plain - liger) < 1e-4 and worst < 1e-3, (plain, liger, worst)
+
+
+def test_a_row_whose_loss_is_not_finite_is_a_failed_row_never_a_speed(monkeypatch):
+    import bench_e2e
+    real = bench_e2e.time_steps
+
+    def nan_loss(*args, **kwargs):
+        step_s, losses, extra = real(*args, **kwargs)
+        return step_s, {**losses, "last": float("nan"), "finite": False}, extra
+
+    monkeypatch.setattr(bench_e2e, "time_steps", nan_loss)
+    row = run_config("tiny", "tpflash", parse_args(["--tiny"]), SOLO)
+    assert "tok_s_gpu" not in row and "step_ms" not in row
+    assert row["error"].startswith("FloatingPointError: loss not finite"), row["error"]
+    assert "error: FloatingPointError: loss not finite" in table([row], IMPLS, {})
+
+
+def test_the_table_gives_each_rows_first_and_last_loss_and_the_bf16_rows_beside_fp8():
+    common = dict(model="llama-1b", tp=1, dp=1, tok_s_gpu=1.0, mfu=0.5, step_ms=1.0, peak_gib=1.0)
+    rows = [dict(common, impl="tpflash-graphs", loss_start=10.4, loss=9.25),
+            dict(common, impl="tpflash-fp8-tensorwise", loss_start=10.4, loss=9.43)]
+    text = table(rows, IMPLS, {}, {"tpflash-fp8-tensorwise": "tpflash-graphs"})
+    assert "| loss 10.400 -> 9.250 |" in text
+    assert "loss 10.400 -> 9.430 (tpflash-graphs: 9.250)" in text
