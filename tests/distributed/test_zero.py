@@ -5,7 +5,8 @@ import torch
 from tests.checkpoint.tiny_model import batch, build, full_state, make_optimizer, BATCH
 from tests.distributed.checks import assert_close, init_layout, init_tp
 from tpflash.parallel import ShardedOptimizerState, replicate_over_dp
-from tpflash.parallel.zero import assign_owners, bytes_per_param, split_unbalanced
+from tpflash.parallel.zero import bytes_per_param
+from tpflash.parallel.zero_buckets import assign_owners, split_unbalanced
 from tpflash.train.gradients import clipped_step, global_grad_norm
 
 pytestmark = pytest.mark.cpu_ranks  # the tiny models live on CPU: gloo even where GPUs are visible

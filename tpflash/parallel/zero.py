@@ -39,128 +39,10 @@ import contextlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import _issue_all_gather, _issue_reduce_scatter
 from .state import ParallelState
-
-# each parameter's view starts at a multiple of this many elements (256 bytes in fp32): vector loads
-# in the kernels that read the views stay aligned
-_ALIGN = 64
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def assign_owners(sizes: Sequence[int], ranks: int) -> List[int]:
-    """The owning rank of each tensor: largest first, each to the least loaded rank (ties: lowest
-    rank), which keeps the ranks' segments within one tensor of each other. Depends on the sizes
-    alone, so every rank computes the same assignment."""
-    loads = [0] * ranks
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(ranks), key=lambda r: (loads[r], r))
-        owners[i] = rank
-        loads[rank] += _aligned(sizes[i])
-    return owners
-
-
-class _Bucket:
-    """Parameters of one dtype laid out as `ranks` equal segments of a flat region: rank r's owned
-    tensors, in model order, in [r * segment, (r + 1) * segment); zero padding after each. Reduced
-    by one reduce-scatter and gathered by one all-gather, in place."""
-
-    def __init__(self, params: List[nn.Parameter], ranks: int, rank: int):
-        self.params, self.rank = params, rank
-        self.owners = assign_owners([p.numel() for p in params], ranks)
-        offsets, fill = [0] * len(params), [0] * ranks
-        for i, p in enumerate(params):
-            offsets[i], fill[self.owners[i]] = fill[self.owners[i]], fill[self.owners[i]] + _aligned(p.numel())
-        self.segment = max(max(fill), _ALIGN)
-        self.numel = self.segment * ranks
-        self.starts = [owner * self.segment + offset for owner, offset in zip(self.owners, offsets)]
-
-    @torch.no_grad()
-    def bind(self, flat_params: torch.Tensor, flat_grads: torch.Tensor) -> None:
-        """Move every parameter into its place in the flat buffers (the region given), its .grad too."""
-        self.flat_params, self.flat_grads = flat_params, flat_grads
-        self.owned: List[nn.Parameter] = []
-        self.grad_views: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (parameter, its gradient view), not owned
-        for p, owner, start in zip(self.params, self.owners, self.starts):
-            view = flat_params[start:start + p.numel()].view_as(p)
-            view.copy_(p)
-            p.data = view  # the Parameter object stays (optimizer, graphs, names); its storage moves here
-            p.grad = flat_grads[start:start + p.numel()].view_as(p)
-            if owner == self.rank:
-                self.owned.append(p)
-            else:
-                self.grad_views.append((p, p.grad))
-
-    def own(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.rank * self.segment:(self.rank + 1) * self.segment]
-
-    def reduce(self, group, ranks: int) -> None:
-        """Sum the gradients over the group into this rank's segment and divide by `ranks` (the other
-        segments keep this rank's partial sums, unused until zero_grad)."""
-        own = self.own(self.flat_grads)
-        _issue_reduce_scatter(own, self.flat_grads, group).wait()  # in place: `own` lies inside the input
-        own.div_(ranks)
-
-    def gather(self, group) -> None:
-        """Every rank's segment into every rank's flat parameters."""
-        _issue_all_gather(self.flat_params, self.own(self.flat_params), group).wait()
-
-
-class _OneOwner(_Bucket):
-    """One parameter reduced to its owner (ncclReduce) and broadcast from it: for a tensor that equal
-    segments could not balance (it would pad every other rank's segment to its size)."""
-
-    def __init__(self, p: nn.Parameter, owner: int, rank: int):
-        self.params, self.rank, self.owners = [p], rank, [owner]
-        self.numel, self.starts = _aligned(p.numel()), [0]
-
-    def reduce(self, group, ranks: int) -> None:
-        grad = self.flat_grads[:self.params[0].numel()]
-        dist.reduce(grad, dst=dist.get_global_rank(group, self.owners[0]), group=group)
-        if self.rank == self.owners[0]:
-            grad.div_(ranks)
-
-    def gather(self, group) -> None:
-        dist.broadcast(self.flat_params[:self.params[0].numel()], src=dist.get_global_rank(group, self.owners[0]),
-                       group=group)
-
-
-def _padded(sizes: Sequence[int], ranks: int) -> int:
-    """Elements of the equal-segment layout of tensors of `sizes` over `ranks` (padding included)."""
-    fill = [0] * ranks
-    for size, owner in zip(sizes, assign_owners(sizes, ranks)):
-        fill[owner] += _aligned(size)
-    return max(max(fill), _ALIGN) * ranks
-
-
-# a tensor leaves its bucket only from this size on: below it the padding costs little, and reductions
-# of small tensors to one owner are where NCCL picks other algorithms than for the buckets' collectives
-ALONE_MIN_ELEMENTS = 1 << 20
-
-
-def split_unbalanced(sizes: Sequence[int], ranks: int, waste: float = 0.25,
-                     min_elements: int = ALONE_MIN_ELEMENTS) -> List[int]:
-    """Indices of the tensors to take out of an equal-segment bucket, largest first, while its padding
-    is more than `waste` of its size and the largest left has `min_elements` or more (a large tensor
-    alone leaves too: it would take a segment of its size per rank)."""
-    kept, out = list(range(len(sizes))), []
-    while kept and ranks > 1:
-        if _padded([sizes[i] for i in kept], ranks) <= (1 + waste) * sum(_aligned(sizes[i]) for i in kept):
-            break
-        largest = max(kept, key=lambda i: (sizes[i], -i))
-        if sizes[largest] < min_elements:
-            break
-        out.append(largest)
-        kept.remove(largest)
-    return out
-
+from .zero_buckets import Bucket, OneOwnerBucket, split_unbalanced
 
 def _bucket_groups(model: nn.Module, blocks: Sequence[nn.Module], head: Sequence[nn.Module], ranks: int
                    ) -> Tuple[List[nn.Parameter], List[List[nn.Parameter]], List[nn.Parameter]]:
@@ -232,7 +114,7 @@ class ShardedOptimizerState:
         self.rest_buckets = self._buckets(rest)  # the embeddings, whatever else is outside blocks and head
         self.block_buckets = [b for group in block_groups for b in self._buckets(group)]  # in forward order
         self.head_buckets = self._buckets(head_params)
-        self.buckets: List[_Bucket] = self.rest_buckets + self.block_buckets + self.head_buckets
+        self.buckets: List[Bucket] = self.rest_buckets + self.block_buckets + self.head_buckets
         self.flat: Dict[Tuple[torch.dtype, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
         for key in {(b.params[0].dtype, b.params[0].device) for b in self.buckets}:
             mine = [b for b in self.buckets if (b.params[0].dtype, b.params[0].device) == key]
@@ -248,22 +130,22 @@ class ShardedOptimizerState:
         self.owned_names = frozenset(n for n, p in model.named_parameters() if id(p) in owned)
         self.graph_sync = None  # a zero_graphs.GraphSync once graphed blocks reduce and gather their buckets
 
-    def _buckets(self, params: List[nn.Parameter]) -> List[_Bucket]:
-        """One bucket per dtype, less the tensors it could not balance (each then a _OneOwner of its own,
+    def _buckets(self, params: List[nn.Parameter]) -> List[Bucket]:
+        """One bucket per dtype, less the tensors it could not balance (each then a OneOwnerBucket of its own,
         owned by the rank with the fewest such elements so far)."""
         by_dtype: Dict[Tuple[torch.dtype, torch.device], List[nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault((p.dtype, p.device), []).append(p)
-        made: List[_Bucket] = []
+        made: List[Bucket] = []
         for group in by_dtype.values():
             alone = split_unbalanced([p.numel() for p in group], self.ranks)
             for i in alone:
                 owner = min(range(self.ranks), key=lambda r: (self._alone_load[r], r))
                 self._alone_load[owner] += group[i].numel()
-                made.append(_OneOwner(group[i], owner, self.rank))
+                made.append(OneOwnerBucket(group[i], owner, self.rank))
             shared = [p for i, p in enumerate(group) if i not in alone]
             if shared:
-                made.append(_Bucket(shared, self.ranks, self.rank))
+                made.append(Bucket(shared, self.ranks, self.rank))
         return made
 
     def sync_in_graphs(self, blocks: Sequence[nn.Module]):
@@ -283,13 +165,13 @@ class ShardedOptimizerState:
         owned = sum(p.numel() * p.element_size() for p in self.owned_params)
         return {"params": params, "grads": params, "adam_state": 2 * owned}
 
-    def reduce_bucket(self, b: _Bucket) -> None:
+    def reduce_bucket(self, b: Bucket) -> None:
         """Average bucket b's gradients over the group into its owners' places, in place (elsewhere
         this rank's partial sums stay, unused until zero_grad)."""
         if self.ranks > 1:
             b.reduce(self.group, self.ranks)
 
-    def gather_bucket(self, b: _Bucket) -> None:
+    def gather_bucket(self, b: Bucket) -> None:
         """The owners' updated parameters of bucket b into every rank's flat parameters, in place."""
         if self.ranks > 1:
             b.gather(self.group)
