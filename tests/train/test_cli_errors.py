@@ -1,5 +1,6 @@
 """Configuration and input errors under torchrun: one `error:` line per job, non-zero exit on every
 rank; --debug (or TPFLASH_DEBUG=1) shows the traceback instead."""
+import os
 import subprocess
 import sys
 
@@ -73,3 +74,15 @@ def test_bugs_keep_their_traceback(monkeypatch):
     monkeypatch.setattr(cli, "_run", broken)
     with pytest.raises(KeyError):
         cli.main([])
+
+
+def test_help_into_a_pipe_its_reader_has_closed_exits_cleanly():
+    """`tpflash-train --help | head -1`: the reader may be gone before the help is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tpflash.train", "--help"], stdout=write_end,
+                              stderr=subprocess.PIPE, timeout=60)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr.decode()[-500:]

@@ -67,7 +67,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse arguments, train, optionally sample; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
+        try:
+            sys.stdout.write(USAGE + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:  # e.g. `tpflash-train --help | head -1`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 0
     debug = "--debug" in argv or os.environ.get("TPFLASH_DEBUG", "0") not in ("", "0")
     print_only = "--print-config" in argv
