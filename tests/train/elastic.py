@@ -17,10 +17,11 @@ TINY_GPT = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--mod
             "--seed=3"]
 
 
-def env(**extra: str) -> Dict[str, str]:
-    """The workers' environment: CPU and gloo even on a GPU machine (what is tested is the restart, and
-    CPU runs are bit-reproducible, so a resumed run's loss equals the uninterrupted run's)."""
-    out = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+def env(gpus: str = "", **extra: str) -> Dict[str, str]:
+    """The workers' environment: CPU and gloo even on a GPU machine unless `gpus` names the GPUs
+    ("0,1": NCCL on them). What is tested is the restart; CPU runs are bit-reproducible, and so are
+    tpflash's GPU kernels (no atomics), so a resumed run's loss equals the uninterrupted run's."""
+    out = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=gpus,
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out.pop("TPFLASH_FAULT", None)
     out.update(extra)
@@ -28,12 +29,13 @@ def env(**extra: str) -> Dict[str, str]:
 
 
 def launch(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 240,
-           fault: Optional[str] = None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=nproc -m tpflash.train args`, whatever its exit status."""
+           fault: Optional[str] = None, gpus: str = "") -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc -m tpflash.train args`, whatever its exit status
+    (on CPU ranks, or on the GPUs `gpus` names)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "tpflash.train", *args]
     extra = {"TPFLASH_FAULT": fault} if fault else {}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(gpus, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -45,9 +47,9 @@ def launch(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 
 
 
 def torchrun(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 240,
-             fault: Optional[str] = None) -> subprocess.CompletedProcess:
+             fault: Optional[str] = None, gpus: str = "") -> subprocess.CompletedProcess:
     """launch(), raising with the output when the job fails."""
-    proc = launch(nproc, args, max_restarts, timeout, fault)
+    proc = launch(nproc, args, max_restarts, timeout, fault, gpus)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-4000:]}")

@@ -7,6 +7,7 @@ collectives that the main thread issues meanwhile on the default group.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Dict, Optional
 
 import torch
@@ -46,14 +47,17 @@ class PendingSave(str):
     def __new__(cls, path: str):
         obj = super().__new__(cls, path)
         obj._thread, obj._error = None, None
+        obj.seconds = None  # how long the background write and commit took, once done
         return obj
 
     def start(self, work: Callable[[], object]) -> None:
         def run():
+            started = time.perf_counter()
             try:
                 work()
             except BaseException as e:  # noqa: BLE001 - handed to wait()
                 self._error = e
+            self.seconds = time.perf_counter() - started
 
         self._thread = threading.Thread(target=run, name=f"tpflash-save:{self}", daemon=False)
         self._thread.start()

@@ -5,7 +5,9 @@ TPFLASH_FAULT (read only here, only by the trainer) makes one rank fail once:
   kill_in_save:N   SIGKILL while the checkpoint of step N is being written (after its first file
                    appears under checkpoint.dir), so the save never commits;
   stall_at_step:N  SIGSTOP as step N begins: the process is alive but silent, and the others wait
-                   for it in their first collective of step N (tpflash.train.watchdog names it).
+                   for it in their first collective of step N (tpflash.train.watchdog names it);
+  term_at_step:N   SIGTERM to itself right after optimizer step N, as a scheduler's preemption
+                   would send it (StopSignal: every rank saves at the same step and exits 0).
 The rank is TPFLASH_FAULT_RANK (default: the last rank). It fires only in the first attempt
 (TORCHELASTIC_RESTART_COUNT 0 or unset), so the job restarted by `torchrun --max-restarts`
 runs through.
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 
-KINDS = ("kill_at_step", "kill_in_save", "stall_at_step")
+KINDS = ("kill_at_step", "kill_in_save", "stall_at_step", "term_at_step")
 
 
 class Fault:
@@ -52,6 +54,9 @@ class Fault:
     def after_step(self, step: int) -> None:
         if self.kind == "kill_at_step" and step == self.step:
             _die(f"kill_at_step:{step}")
+        if self.kind == "term_at_step" and step == self.step:
+            print(f"[tpflash fault] rank {os.environ.get('RANK', '?')}: term_at_step:{step}: SIGTERM", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     @contextmanager
     def around_save(self, step: int, root: str) -> Iterator[None]:

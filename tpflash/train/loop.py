@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from typing import Dict, Optional
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from .. import parallel
 from ..kernels.fp8 import check_fp8_device
 from . import build, packing, resume_config, watchdog
+from .io_times import SaveTimes, rate_record
 from .fingerprint import job_fingerprint
 from .config import TrainConfig, check_values, to_yaml
 from .data import (check_token_ids, load_tokens, make_tokenizer, token_format, token_source, split_train_eval,
@@ -64,6 +66,8 @@ class Trainer:
         self.schedule = WarmupCosine(self.optimizer, t.lr, t.min_lr, t.warmup_steps, decay)
         self.sampler = GlobalSampler(len(self.train_data), cfg.seed)
         self.step, self._saved_step = 0, -1
+        self.save_times = SaveTimes()  # records of the saves not logged yet go to run()'s writer
+        self.io_records = []  # (step, record) of loads, saves and exports, for run() to log
         self.fault = Fault(dist.get_rank(), dist.get_world_size())
         # a rank that waits too long for the others fails the job naming who did not arrive (watching in run())
         self.watch = watchdog.HangWatch(cfg.dist.timeout, cfg.dist.long, watchdog.trainer_groups(self.ps),
@@ -206,8 +210,11 @@ class Trainer:
         from .. import checkpoint
         configured = build.optimizer_settings(self.optimizer)  # the config's; the checkpoint gives moments and step
         owned = self.zero.owned_names if self.zero is not None else None  # zero1: only this rank's state
+        started = time.perf_counter()
         info = checkpoint.load(path, self.model, self.optimizer, optimizer_state_of=owned, scheduler=self.schedule,
                                data=self.sampler)
+        if self.is_main:
+            self.io_records.append((int(info["step"]), rate_record("load_s", time.perf_counter() - started, path)))
         self.changed_settings = build.restore_optimizer_settings(self.optimizer, configured)
         self.step = self._saved_step = int(info["step"])
         if self.schedule.step_count != self.step:
@@ -238,13 +245,16 @@ class Trainer:
         self.check_finite()
         self._parameters_ready()
         from .. import checkpoint
+        started = time.perf_counter()
         with self.fault.around_save(self.step, ck.dir):
-            checkpoint.save(ck.dir, self.model, self.optimizer, step=self.step, keep=ck.keep,
-                            async_save=ck.async_save and not final, scheduler=self.schedule, data=self.sampler,
-                            saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
+            path = checkpoint.save(ck.dir, self.model, self.optimizer, step=self.step, keep=ck.keep,
+                                   async_save=ck.async_save and not final, scheduler=self.schedule, data=self.sampler,
+                                   saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
             if final:
                 checkpoint.wait_pending(ck.dir)
                 self.release_checkpoint_dir()  # the job's last write to the directory: free it for the next job
+        if self.is_main:
+            self.io_records += self.save_times.saved(self.step, path, time.perf_counter() - started)
         self._saved_step = self.step
         if self.is_main:
             os.makedirs(ck.dir, exist_ok=True)  # an async save may not have made it yet
@@ -261,7 +271,11 @@ class Trainer:
         self.check_finite()
         self._parameters_ready()
         from ..models import save_pretrained
-        return save_pretrained(self.model, out, tokenizer_from=self.init_from)
+        started = time.perf_counter()
+        path = save_pretrained(self.model, out, tokenizer_from=self.init_from)
+        if self.is_main:
+            self.io_records.append((self.step, rate_record("export_s", time.perf_counter() - started, out)))
+        return path
 
     # ---------------------------------------------------------------- steps
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -400,6 +414,15 @@ class Trainer:
             if self.changed_settings:
                 out.note(f"optimizer settings from this config, not the checkpoint: {'; '.join(self.changed_settings)}")
 
+    def _log_io(self, out: MetricsWriter) -> None:
+        """Log the load, save and export records gathered so far (rank 0), background writes that
+        have committed since included."""
+        if self.is_main:
+            self.io_records += self.save_times.finished()
+        for step, record in self.io_records:
+            out.log(step, record, kind="checkpoint")
+        self.io_records = []
+
     def _is_every(self, interval: int) -> bool:
         return interval > 0 and self.step % interval == 0 and self.step < self.cfg.train.steps
 
@@ -408,6 +431,7 @@ class Trainer:
         cfg = self.cfg
         out = MetricsWriter(cfg.log, cfg.train.steps, self.step, enabled=self.is_main)
         self.describe(out)
+        self._log_io(out)  # the resume's load
         for text in start_warnings(cfg):
             out.warn(text)
         first_step = self.step  # of this run (a resumed run starts past 0)
@@ -434,6 +458,7 @@ class Trainer:
                             **meter.read(), **memory_gb(self.device)}
                     losses = []
                     out.log(self.step, last)
+                    self._log_io(out)  # an async save that has finished writing since
                 tracer.after_step(self.step)
                 if self._is_every(cfg.train.eval_interval):
                     with meter.paused(self.device):  # tokens/s is the training's: eval and saves left out
@@ -443,17 +468,20 @@ class Trainer:
                 if stop.agreed():
                     out.note(f"SIGTERM: saving step {self.step} and exiting")
                     self.save()
+                    self._log_io(out)
                     finish(out, cfg, meter, first_step, self.step, self._saved_step, last, self.device)
                     return last
                 if self._is_every(cfg.checkpoint.interval):
                     with meter.paused(self.device):
                         self.save(final=False)
+                    self._log_io(out)
             eval_loss = self.evaluate()
             if eval_loss is not None:
                 last["eval_loss"] = eval_loss
                 out.log(self.step, {"eval_loss": eval_loss}, kind="eval")
             self.save()
             self.export_hf()
+            self._log_io(out)
             finish(out, cfg, meter, first_step, self.step, self._saved_step, last, self.device)
             return last
         finally:

@@ -1,0 +1,61 @@
+"""How long the trainer's checkpoint saves, loads and exports take, and at what rate: the records
+it logs (kind "checkpoint" in metrics.jsonl, a `[checkpoint]` line on stdout).
+
+A synchronous save is timed from the call to the commit (every file written, fsync'd, checksummed
+and renamed into place): `save_s`. An asynchronous one blocks the training only while it copies
+the state to host memory (`staged_s`); its background write is reported once it has committed
+(`write_s`, at the next save or the end of the run). Loads (`load_s`, checksums verified) and Hugging
+Face exports (`export_s`) are timed likewise. Each record gives the bytes on disk (`GB`, 1e9) and
+`GB_per_s`: compare it with the disk's own bandwidth.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Tuple
+
+from ..checkpoint.staging import PendingSave
+
+
+def directory_bytes(path: str) -> int:
+    """The bytes of every file under `path` (0 if it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:  # removed meanwhile (an older checkpoint pruned)
+                pass
+    return total
+
+
+def rate_record(key: str, seconds: float, path: str) -> Dict[str, float]:
+    """{key: seconds, "GB": size of `path`, "GB_per_s"}."""
+    gb = directory_bytes(path) / 1e9
+    return {key: round(seconds, 3), "GB": gb, "GB_per_s": gb / max(seconds, 1e-9)}
+
+
+class SaveTimes:
+    """The records of the trainer's saves, including the background writes of async ones (which are
+    reported once they have finished). Only the rank that logs needs one."""
+
+    def __init__(self):
+        self.background: Optional[Tuple[int, str]] = None  # (step, PendingSave) still being written
+
+    def saved(self, step: int, path: str, seconds: float) -> List[Tuple[int, Dict[str, float]]]:
+        """[(step, record)] to log after the save of `step` returned `path` after `seconds`: the earlier
+        async save's write if it has finished since, then this save's."""
+        records = self.finished()
+        if isinstance(path, PendingSave):  # an async save: only staged so far
+            records.append((step, {"staged_s": round(seconds, 3)}))
+            self.background = (step, path)
+        else:
+            records.append((step, rate_record("save_s", seconds, path)))
+        return records
+
+    def finished(self) -> List[Tuple[int, Dict[str, float]]]:
+        """[(step, record)] of the background write, if there was one and it has committed."""
+        if self.background is None or not self.background[1].done() or self.background[1].seconds is None:
+            return []
+        step, pending = self.background
+        self.background = None
+        return [(step, rate_record("write_s", pending.seconds, pending))]
