@@ -40,10 +40,36 @@ def launch(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the session this call started
+        _kill_tree(proc.pid)  # torchrun and its workers (each in a session of its own)
         out, err = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-4000:]}\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid`'s process group and every descendant of `pid`: torchrun starts each worker in a
+    new session, so killing its group alone leaves workers holding the output pipes open."""
+    children: Dict[int, List[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    todo, found = [pid], []
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    for p in found:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def torchrun(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 240,

@@ -40,10 +40,10 @@ def job(request, tmp_path_factory):
     corpus = write_corpus(str(root))
     gpus = ",".join(map(str, range(nproc)))
 
-    def run(name, *extra, steps=STEPS, check=True, **kwargs):
+    def run(name, *extra, steps=STEPS, check=True, timeout=150, **kwargs):
         args = [f"--data.path={corpus}", f"--checkpoint.dir={root}/{name}/ckpt", f"--log.dir={root}/{name}",
                 f"--train.steps={steps}", *GPU_GPT, *layout, *extra]
-        proc = (torchrun if check else launch)(nproc, args, gpus=gpus, **kwargs)
+        proc = (torchrun if check else launch)(nproc, args, gpus=gpus, timeout=timeout, **kwargs)
         return proc, f"{root}/{name}"
 
     _, ref_dir = run("reference")

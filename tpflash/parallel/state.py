@@ -115,6 +115,7 @@ def shutdown() -> None:
     groups and device meshes left for the interpreter's exit made about 1 in 10 two-rank runs abort
     with SIGABRT after finishing (torch 2.13)."""
     import gc
+    gc.collect()  # first what the caller dropped (a model's CUDA graphs hold NCCL kernels of these groups)
     if dist.is_initialized():
         dist.destroy_process_group()
     set_default_state(None)

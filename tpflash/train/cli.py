@@ -101,6 +101,7 @@ def _run(argv: Sequence[str], print_only: bool) -> int:
             if trainer.is_main:
                 print(f"--- sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}) ---\n{text}\n---",
                       flush=True)
+        trainer.close()  # the clean end only: after an error the device may wait on a peer that never comes
     finally:
         trainer = None  # its model holds the process groups: shutdown() frees them while the interpreter is whole
         shutdown()

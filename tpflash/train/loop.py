@@ -414,6 +414,16 @@ class Trainer:
             if self.changed_settings:
                 out.note(f"optimizer settings from this config, not the checkpoint: {'; '.join(self.changed_settings)}")
 
+    def close(self) -> None:
+        """The end of a finished run, before the process groups are destroyed: wait for the device's
+        queued work (zero1's parameter gathers run on a side stream) and free the CUDA graphs, whose
+        captured NCCL kernels refer to the groups' communicators."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        release = getattr(self.model, "release_cuda_graphs", None)
+        if release is not None:
+            release()
+
     def _log_io(self, out: MetricsWriter) -> None:
         """Log the load, save and export records gathered so far (rank 0), background writes that
         have committed since included."""
