@@ -3,6 +3,7 @@
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -74,3 +75,24 @@ def test_the_trainer_logs_async_staging_background_writes_the_final_save_and_the
         if "GB" in r:
             size = directory_bytes(os.path.join(ckpt, f"step_{r['step']}"))
             assert r["GB"] == size / 1e9 and r["GB"] > 0
+
+
+def slow_final_save_body(cfg):
+    trainer = Trainer(cfg, TinyConfig, TinyLM)
+    save = trainer.save
+
+    def slow_save(final=True):
+        time.sleep(1.5)
+        save(final)
+
+    trainer.save = slow_save
+    trainer.run()
+
+
+def test_the_run_summary_s_training_time_leaves_the_final_save_out(ranks, tmp_path):
+    corpus, logs = write_corpus(str(tmp_path)), str(tmp_path / "logs")
+    cfg = tiny_config(corpus, tp=1, log={"dir": logs}, checkpoint={"dir": str(tmp_path / "ckpt")})
+    ranks(1).run(slow_final_save_body, cfg)
+    with open(os.path.join(logs, "metrics.jsonl")) as f:
+        (summary,) = [r for r in map(json.loads, f) if r["kind"] == "summary"]
+    assert summary["time_s"] - summary["train_s"] >= 1.5, summary

@@ -477,7 +477,8 @@ class Trainer:
                 self.watch.enter("vote")
                 if stop.agreed():
                     out.note(f"SIGTERM: saving step {self.step} and exiting")
-                    self.save()
+                    with meter.paused(self.device):
+                        self.save()
                     self._log_io(out)
                     finish(out, cfg, meter, first_step, self.step, self._saved_step, last, self.device)
                     return last
@@ -485,12 +486,13 @@ class Trainer:
                     with meter.paused(self.device):
                         self.save(final=False)
                     self._log_io(out)
-            eval_loss = self.evaluate()
-            if eval_loss is not None:
-                last["eval_loss"] = eval_loss
-                out.log(self.step, {"eval_loss": eval_loss}, kind="eval")
-            self.save()
-            self.export_hf()
+            with meter.paused(self.device):  # the summary's training time and rate leave these out too
+                eval_loss = self.evaluate()
+                if eval_loss is not None:
+                    last["eval_loss"] = eval_loss
+                    out.log(self.step, {"eval_loss": eval_loss}, kind="eval")
+                self.save()
+                self.export_hf()
             self._log_io(out)
             finish(out, cfg, meter, first_step, self.step, self._saved_step, last, self.device)
             return last
