@@ -16,6 +16,9 @@ import sys
 from typing import Dict, List, Optional
 
 
+PARTS = ("state_s", "staging_s", "dcp_write_s", "checksums_s", "commit_s")  # the trainer's save parts
+
+
 def disk_rates(path: str) -> Dict[str, float]:
     """{"write 1", "read 1", "write N"} in GB/s from disk.log."""
     rates = {}
@@ -57,7 +60,7 @@ def main(out: str) -> None:
     disk = disk_rates(os.path.join(out, "disk.log"))
     writers = max((int(k.split()[1]) for k in disk if k.startswith("write")), default=1)
     print("disk: " + ", ".join(f"{k} {'writer' if 'write' in k else 'reader'}(s) {v:.2f} GB/s" for k, v in disk.items()))
-    print("\n| operation | seconds | GB | GB/s | of the disk's |\n|---|---:|---:|---:|---:|")
+    print("\n| operation | seconds | GB | GB/s | of the disk's | parts (s) |\n|---|---:|---:|---:|---:|---|")
     names = {"save_s": ("save", f"write {writers}"), "write_s": ("async save, background write", f"write {writers}"),
              "load_s": ("load (checksums verified)", "read 1"), "export_s": ("Hugging Face export", f"write {writers}")}
     for phase in ("save", "load", "async"):
@@ -65,8 +68,9 @@ def main(out: str) -> None:
             for key, (label, ref) in names.items():
                 if r["kind"] == "checkpoint" and key in r:
                     share = f"{r['GB_per_s'] / disk[ref]:.0%}" if ref in disk else "n/a"
+                    parts = ", ".join(f"{k[:-2]} {r[k]:.1f}" for k in PARTS if k in r)
                     print(f"| {phase}: {label}, step {r['step']} | {r[key]:.1f} | {r['GB']:.1f} | "
-                          f"{r['GB_per_s']:.2f} | {share} |")
+                          f"{r['GB_per_s']:.2f} | {share} | {parts} |")
     cost = async_cost(records(out, "async"))
     if cost:
         slow = cost["during"] / cost["outside"] - 1

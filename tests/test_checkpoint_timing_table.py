@@ -41,4 +41,4 @@ def test_the_table_lists_each_record_against_the_disk(tmp_path, capsys):
         f.write(json.dumps({"kind": "checkpoint", "step": 3, "time": 1.0, "save_s": 60.0, "GB": 96.0,
                             "GB_per_s": 1.6}) + "\n")
     checkpoint_table.main(str(tmp_path))
-    assert "| save: save, step 3 | 60.0 | 96.0 | 1.60 | 80% |" in capsys.readouterr().out
+    assert "| save: save, step 3 | 60.0 | 96.0 | 1.60 | 80% |  |" in capsys.readouterr().out

@@ -26,8 +26,10 @@ def _files(directory, sizes):
 
 def test_a_synchronous_save_is_reported_with_its_size_and_rate(tmp_path):
     path = _files(tmp_path / "step_3", [1000, 3000])
-    [(step, record)] = SaveTimes().saved(3, path, seconds=2.0)
-    assert step == 3 and record == pytest.approx({"save_s": 2.0, "GB": 4e-6, "GB_per_s": 2e-6})
+    parts = {"state": 0.1, "write": 1.5, "checksums": 0.3, "commit": 0.1}
+    [(step, record)] = SaveTimes().saved(3, path, seconds=2.0, times=parts)
+    assert step == 3 and record == pytest.approx({"save_s": 2.0, "GB": 4e-6, "GB_per_s": 2e-6, "state_s": 0.1,
+                                                  "dcp_write_s": 1.5, "checksums_s": 0.3, "commit_s": 0.1})
 
 
 def test_an_async_save_reports_its_staging_then_its_background_write_once_committed(tmp_path):
@@ -35,13 +37,15 @@ def test_an_async_save_reports_its_staging_then_its_background_write_once_commit
     release = threading.Event()
     pending = PendingSave(path)
     pending.start(release.wait)
-    times = SaveTimes()
-    assert times.saved(4, pending, seconds=0.5) == [(4, {"staged_s": 0.5})]
+    times, parts = SaveTimes(), {"state": 0.1, "staging": 0.4}
+    assert times.saved(4, pending, seconds=0.5, times=parts) == [(4, {"staged_s": 0.5, "state_s": 0.1, "staging_s": 0.4})]
     assert times.finished() == [], "nothing to report while the write runs"
+    parts.update(write=2.0, checksums=0.5, commit=0.2)  # as the background thread fills them in
     release.set()
     pending.wait()
     [(step, record)] = times.finished()
-    assert step == 4 and set(record) == {"write_s", "GB", "GB_per_s"} and record["GB"] == 5e-6
+    assert step == 4 and record["GB"] == 5e-6
+    assert set(record) == {"write_s", "GB", "GB_per_s", "dcp_write_s", "checksums_s", "commit_s"}
     assert times.finished() == [], "reported once"
 
 
@@ -71,6 +75,7 @@ def test_the_trainer_logs_async_staging_background_writes_the_final_save_and_the
     got = {(r["step"], k) for r in _checkpoint_records(logs) for k in r if k.endswith("_s")}
     assert {(2, "staged_s"), (2, "write_s"), (4, "staged_s"), (4, "write_s"), (6, "save_s")} <= got
     assert (6, "load_s") in got, "the resumed run's load"
+    assert {(2, "staging_s"), (2, "dcp_write_s"), (6, "checksums_s"), (6, "commit_s")} <= got, "the parts"
     for r in _checkpoint_records(logs):
         if "GB" in r:
             size = directory_bytes(os.path.join(ckpt, f"step_{r['step']}"))

@@ -6,9 +6,11 @@ see layout.py), "optim.*" (optim.py), "meta" and "rng.rank_<r>" (extras.py).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Collection, Dict, Optional
+import time
+from typing import Collection, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -110,19 +112,35 @@ def _state_for_save(model, optimizer, step: int, extras: dict) -> dict:
     return state
 
 
-def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Optional[dict], group) -> str:
-    """Write `state` to a unique root/.tmp-step_N-*, checksum it, rename it to root/step_N, update `latest`."""
+@contextlib.contextmanager
+def _timed(times: Optional[Dict[str, float]], part: str) -> Iterator[None]:
+    """Add the enclosed work's seconds to times[part] (nothing when times is None)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if times is not None:
+            times[part] = times.get(part, 0.0) + time.perf_counter() - start
+
+
+def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Optional[dict], group,
+                      times: Optional[Dict[str, float]] = None) -> str:
+    """Write `state` to a unique root/.tmp-step_N-*, checksum it, rename it to root/step_N, update `latest`.
+    `times` receives the seconds of "write" (DCP: planning, device-to-host copies, files written and
+    fsync'd), "checksums" (each rank hashing its files, then one gather) and "commit" (rank 0)."""
     rank = _rank_world(group)[0]
     made = []
     _on_rank0(lambda: made.append(directory.prepare_tmp(root, step)), group)
     tmp = _broadcast(made[0] if made else None, group)  # its name is rank 0's (host, pid, random)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS), planner=ChunkSavePlanner(), process_group=group,
-             no_dist=_no_dist())
-    try:
-        mine = integrity.hash_files(tmp, integrity.own_files(tmp, rank))
-    except OSError as e:  # reported through rank 0, so no rank waits for a peer that gave up
-        mine = f"rank {rank} could not checksum its files: {e}"
-    gathered = _all_gather(mine, group)
+    with _timed(times, "write"):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS),
+                 planner=ChunkSavePlanner(), process_group=group, no_dist=_no_dist())
+    with _timed(times, "checksums"):
+        try:
+            mine = integrity.hash_files(tmp, integrity.own_files(tmp, rank))
+        except OSError as e:  # reported through rank 0, so no rank waits for a peer that gave up
+            mine = f"rank {rank} could not checksum its files: {e}"
+        gathered = _all_gather(mine, group)
 
     def finish():
         failed = [part for part in gathered if isinstance(part, str)]
@@ -134,7 +152,8 @@ def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Opti
         integrity.write_manifest(tmp, integrity.complete_manifest(tmp, gathered), {"step": step})
         directory.commit(root, tmp, step, keep)
 
-    _on_rank0(finish, group)
+    with _timed(times, "commit"):
+        _on_rank0(finish, group)
     return directory.step_dir(root, step)
 
 
@@ -148,13 +167,16 @@ def _agreed_step(root: str, step: Optional[int]) -> int:
 
 
 def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,
-         keep: int = 3, async_save: bool = False, **extra) -> str:
+         keep: int = 3, async_save: bool = False, times: Optional[Dict[str, float]] = None, **extra) -> str:
     """Save model, optimizer, RNG states and `extra` as root/step_<step>; return that path. Call on every rank.
 
     `step` None means one past the newest checkpoint. The save is atomic (see directory.py) and
     keeps the newest `keep` checkpoints (0: all). With `async_save` tensors are copied to host
     memory, then writing and committing continue in a background thread (on a dedicated gloo
     group) and the returned path (a str) has `.wait()`; the next save or load waits for it.
+    `times` (a dict), if given, receives this rank's seconds per part of the save: "state" (the state
+    dict, collective under FSDP), "staging" (async: the copy to host memory), "write", "checksums" and
+    "commit" (see _write_and_commit; for an async save, filled in by the background thread).
     """
     root = os.fspath(root)
     if step is not None and (not isinstance(step, int) or step < 0):
@@ -163,13 +185,16 @@ def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         raise ValueError(f"keep={keep!r} must be an integer >= 0 (0 keeps every checkpoint)")
     wait_pending(root)
     step = _agreed_step(root, step)
-    state = _state_for_save(model, optimizer, step, extra)
+    with _timed(times, "state"):
+        state = _state_for_save(model, optimizer, step, extra)
     config = model_config(model)
     if not async_save:
-        return _write_and_commit(state, root, step, keep, config, None)
-    group, staged = async_group(), stage_to_host(state)
+        return _write_and_commit(state, root, step, keep, config, None, times)
+    group = async_group()
+    with _timed(times, "staging"):
+        staged = stage_to_host(state)
     pending = PendingSave(directory.step_dir(root, step))
-    pending.start(lambda: _write_and_commit(staged, root, step, keep, config, group))
+    pending.start(lambda: _write_and_commit(staged, root, step, keep, config, group, times))
     _pending[os.path.abspath(root)] = pending
     return pending
 

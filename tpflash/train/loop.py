@@ -245,16 +245,16 @@ class Trainer:
         self.check_finite()
         self._parameters_ready()
         from .. import checkpoint
-        started = time.perf_counter()
+        started, parts = time.perf_counter(), {}
         with self.fault.around_save(self.step, ck.dir):
             path = checkpoint.save(ck.dir, self.model, self.optimizer, step=self.step, keep=ck.keep,
-                                   async_save=ck.async_save and not final, scheduler=self.schedule, data=self.sampler,
-                                   saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
+                                   async_save=ck.async_save and not final, times=parts, scheduler=self.schedule,
+                                   data=self.sampler, saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
             if final:
                 checkpoint.wait_pending(ck.dir)
                 self.release_checkpoint_dir()  # the job's last write to the directory: free it for the next job
         if self.is_main:
-            self.io_records += self.save_times.saved(self.step, path, time.perf_counter() - started)
+            self.io_records += self.save_times.saved(self.step, path, time.perf_counter() - started, parts)
         self._saved_step = self.step
         if self.is_main:
             os.makedirs(ck.dir, exist_ok=True)  # an async save may not have made it yet
