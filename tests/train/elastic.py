@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,15 +41,17 @@ def launch(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)  # torchrun and its workers (each in a session of its own)
+        _signal_tree(proc.pid, signal.SIGUSR1)  # each worker prints its threads' stacks (tpflash.train.cli)
+        time.sleep(3)
+        _signal_tree(proc.pid, signal.SIGKILL)  # torchrun and its workers (each in a session of its own)
         out, err = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-4000:]}\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL `pid`'s process group and every descendant of `pid`: torchrun starts each worker in a
-    new session, so killing its group alone leaves workers holding the output pipes open."""
+def _signal_tree(pid: int, sig: signal.Signals) -> None:
+    """Send `sig` to every descendant of `pid` (and, for SIGKILL, `pid`'s process group): torchrun starts
+    each worker in a new session, so killing its group alone leaves workers holding the output pipes open."""
     children: Dict[int, List[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -61,15 +64,16 @@ def _kill_tree(pid: int) -> None:
     while todo:
         found.append(todo.pop())
         todo += children.get(found[-1], [])
-    for p in found:
+    for p in found[1:] if sig != signal.SIGKILL else found:  # torchrun itself would die of SIGUSR1
         try:
-            os.kill(p, signal.SIGKILL)
+            os.kill(p, sig)
         except ProcessLookupError:
             pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    if sig == signal.SIGKILL:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def torchrun(nproc: int, args: List[str], max_restarts: int = 0, timeout: float = 240,

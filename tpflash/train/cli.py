@@ -7,6 +7,9 @@ A mistake in the config, the layout or the inputs (ValueError, a missing file, a
 checkpoint) prints one line, `error: <message>`, once per job rather than a traceback per rank,
 and exits with status 2 on every rank. `--debug` or TPFLASH_DEBUG=1 shows the full traceback
 instead. Any other exception is a bug and keeps its traceback.
+
+A worker sent SIGUSR1 prints every thread's Python stack to its stderr and goes on (`kill -USR1
+<pid>`, or `pkill -USR1 -f tpflash.train` for all of them): where a rank is, when a job seems stuck.
 """
 from __future__ import annotations
 
@@ -91,6 +94,8 @@ def _run(argv: Sequence[str], print_only: bool) -> int:
     if print_only:
         print(to_yaml(cfg), end="")
         return 0
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)  # stacks on demand (module docstring)
     from ..parallel import shutdown
     from .loop import Trainer
     try:
