@@ -29,6 +29,10 @@
 #                                     eager; FSDP2 eager; IMPLS= picks, as bench_e2e's impl@dp-mode list)
 #                                     beside torchtitan (FSDP2, TP), its wheels from .whl/ where present;
 #                                     PROFILE=1 adds each row's communication and exposed time
+#   bash scripts/gpu_check.sh faults  2 and 4 GPUs: the fault suite over NCCL (tests/train/test_faults_nccl.py:
+#                                     SIGKILL in a step and in a save, SIGTERM, a corrupt checkpoint, a stalled
+#                                     rank, each against an uninterrupted run), one line per test; LAYOUTS=2gpu
+#                                     or 4gpu runs one layout
 #   bash scripts/gpu_check.sh         tests, then bench
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the symmetric-memory equivalents): some shared
 # machines do not allow it. The fused-dense extension has its own check: benchmarks/fused_dense_check.sh.
@@ -129,6 +133,13 @@ dp() {  # the ways of holding the model over dp, on 2 or 4 GPUs, beside torchtit
   python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_dp.jsonl" --table "$OUT/table_dp.md"
 }
 
+faults() {  # the fault suite over NCCL on 2 and 4 GPUs (each layout skipped where there are fewer)
+  [ "$GPUS" -ge 2 ] || { echo "faults needs 2 GPUs"; return 1; }
+  echo "== the fault suite over NCCL =="
+  timeout ${RUN_TIMEOUT:-580} python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/train/test_faults_nccl.py \
+    ${LAYOUTS:+-k "$LAYOUTS"} --durations=12 2>&1 | tee "$OUT/faults.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|s call|s setup"
+}
+
 fp8_accuracy() {
   OUT=$OUT/fp8_accuracy bash benchmarks/fp8_accuracy.sh
   python3 benchmarks/fp8_accuracy_plot.py "$OUT/fp8_accuracy" --png "$OUT/fp8_accuracy.png"
@@ -142,6 +153,7 @@ case "${1:-all}" in
   fp8-bench) fp8_bench ;;
   fp8-accuracy) fp8_accuracy ;;
   dp) dp ;;
+  faults) faults ;;
   all) tests; bench ;;
-  *) echo "usage: bash scripts/gpu_check.sh [tests|bench|train|fp8|fp8-bench|fp8-accuracy|dp]"; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_check.sh [tests|bench|train|fp8|fp8-bench|fp8-accuracy|dp|faults]"; exit 2 ;;
 esac
