@@ -2,7 +2,6 @@
 `latest` pointer, and extras are unpickled without running code."""
 import multiprocessing
 import os
-import time
 
 import pytest
 import torch
@@ -13,22 +12,25 @@ from tpflash.checkpoint import CheckpointLockedError, UnsafeCheckpointError, dir
 from tpflash.checkpoint.blob import from_blob, to_blob
 
 
-def _contend(root, start, results):
+def _contend(root, start, tried, results):
     start.wait()
+    held = None
     try:
         held = lock.acquire(root, heartbeat_s=60)
         results.put("won")
-        time.sleep(0.3)  # hold it while the other one tries
-        held.release()
     except CheckpointLockedError as e:
         results.put(f"refused: {e}")
+    finally:
+        tried.wait(timeout=60)  # the winner holds the lock until both have tried, however late the other starts
+        if held is not None:
+            held.release()
 
 
 def test_fifty_start_races_have_exactly_one_winner(tmp_path):
     ctx = multiprocessing.get_context("fork")
     for i in range(50):
-        root, start, results = str(tmp_path / f"r{i}"), ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=_contend, args=(root, start, results)) for _ in range(2)]
+        root, start, tried, results = str(tmp_path / f"r{i}"), ctx.Barrier(2), ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_contend, args=(root, start, tried, results)) for _ in range(2)]
         for p in procs:
             p.start()
         outcomes = sorted(results.get(timeout=20) for _ in procs)
