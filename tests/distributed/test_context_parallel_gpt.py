@@ -101,9 +101,10 @@ def test_training_curve_at_cp_matches_one_process(ranks, tp, cp, cp_comm):
         assert losses[0] < 4.0  # it learned: ln(101) = 4.6 at the start
 
 
-def saved_activation_bytes(cp, seq=168):
+def saved_activation_bytes(cp, seq=56):
     """Bytes of activations this rank saves for backward in one training forward: saved tensors with a
-    dimension of this rank's token count (seq/cp; 168 keeps it unequal to every weight dimension), so
+    dimension of this rank's token count (seq/cp; 56 keeps it unequal to every weight dimension, and
+    short, since the kernels run interpreted), so
     that the stacked weight copies the GEMMs save, the same at any cp, are left out.
     The kernels run as on a GPU (Triton, interpreted on CPU): at cp=1 flash attention saves q, k, v, out
     and lse as the ring does, where the CPU reference would save the [seq, seq] probabilities."""
