@@ -40,13 +40,20 @@ def test_a_bad_key_prints_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["flag", "env"])
-def test_debug_restores_the_traceback(tmp_path, how):
-    extra = {"TPFLASH_DEBUG": "1"} if how == "env" else {}
-    rc, out = _torchrun(tmp_path, "--tp=3", *(["--debug"] if how == "flag" else []), **extra)
+def test_debug_restores_the_traceback(tmp_path):
+    rc, out = _torchrun(tmp_path, "--tp=3", "--debug")
     assert rc != 0, out
     assert f"ValueError: {TP_MISMATCH}" in out, out
     assert f"error: {TP_MISMATCH}" not in out, out
+
+
+def test_tpflash_debug_in_the_environment_restores_the_traceback(capsys, monkeypatch):
+    # the environment's twin of --debug (read where the flag is), in one process: no launch of its own
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("TPFLASH_DEBUG", "1")
+    with pytest.raises(ValueError, match="no such file"):
+        cli.main(["--config", "no-such-config"])
+    assert "error:" not in capsys.readouterr().err
 
 
 def test_one_process_prints_the_line_and_returns_the_user_error_status(capsys, monkeypatch):
