@@ -16,7 +16,7 @@ from .integrity import CheckpointCorruptError
 from .lock import CheckpointLockedError
 from .model_loader import load_model
 from .resume import CheckpointDirMismatchError, claim, resume_point
-from .staging import PendingSave
+from .staging import HostStaging, PendingSave
 
-__all__ = ["CheckpointCorruptError", "CheckpointDirMismatchError", "CheckpointLockedError", "PendingSave",
-           "UnsafeCheckpointError", "claim", "latest", "load", "load_model", "resume_point", "save", "wait_pending"]
+__all__ = ["CheckpointCorruptError", "CheckpointDirMismatchError", "CheckpointLockedError", "HostStaging",
+           "PendingSave", "UnsafeCheckpointError", "claim", "latest", "load", "load_model", "resume_point", "save", "wait_pending"]

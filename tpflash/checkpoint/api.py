@@ -26,7 +26,7 @@ from .extras import (CONFIG_FILE, META_KEY, RNG_PREFIX, meta_for_save, model_con
                      set_rng_state, split_meta_keys)
 from .layout import MODEL_PREFIX, model_slots
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
-from .staging import PendingSave, async_group, stage_to_host
+from .staging import HostStaging, PendingSave, async_group
 
 __all__ = ["save", "load", "latest", "wait_pending"]
 
@@ -167,14 +167,16 @@ def _agreed_step(root: str, step: Optional[int]) -> int:
 
 
 def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,
-         keep: int = 3, async_save: bool = False, times: Optional[Dict[str, float]] = None, **extra) -> str:
+         keep: int = 3, async_save: bool = False, staging: Optional[HostStaging] = None,
+         times: Optional[Dict[str, float]] = None, **extra) -> str:
     """Save model, optimizer, RNG states and `extra` as root/step_<step>; return that path. Call on every rank.
 
     `step` None means one past the newest checkpoint. The save is atomic (see directory.py) and
     keeps the newest `keep` checkpoints (0: all). With `async_save` tensors are copied to host
     memory, then writing and committing continue in a background thread (on a dedicated gloo
     group) and the returned path (a str) has `.wait()`; the next save or load waits for it.
-    `times` (a dict), if given, receives this rank's seconds per part of the save: "state" (the state
+    `staging` (async only): the tpflash.checkpoint.HostStaging whose buffers the state is copied into
+    (one per run: pinned and reused; default a one-off pageable copy). `times` (a dict), if given, receives this rank's seconds per part of the save: "state" (the state
     dict, collective under FSDP), "staging" (async: the copy to host memory), "write", "checksums" and
     "commit" (see _write_and_commit; for an async save, filled in by the background thread).
     """
@@ -191,9 +193,11 @@ def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if not async_save:
         return _write_and_commit(state, root, step, keep, config, None, times)
     group = async_group()
+    staging = HostStaging(pinned=False) if staging is None else staging  # a one-off: pageable, freed after
     with _timed(times, "staging"):
-        staged = stage_to_host(state)
+        staged = staging.stage(state)
     pending = PendingSave(directory.step_dir(root, step))
+    staging.read_by(pending)
     pending.start(lambda: _write_and_commit(staged, root, step, keep, config, group, times))
     _pending[os.path.abspath(root)] = pending
     return pending

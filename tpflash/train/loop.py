@@ -67,6 +67,8 @@ class Trainer:
         self.sampler = GlobalSampler(len(self.train_data), cfg.seed)
         self.step, self._saved_step = 0, -1
         self.save_times = SaveTimes()  # records of the saves not logged yet go to run()'s writer
+        from ..checkpoint import HostStaging
+        self.host_staging = HostStaging() if cfg.checkpoint.async_save else None  # pinned, reused by every async save
         self.io_records = []  # (step, record) of loads, saves and exports, for run() to log
         self.fault = Fault(dist.get_rank(), dist.get_world_size())
         # a rank that waits too long for the others fails the job naming who did not arrive (watching in run())
@@ -248,7 +250,8 @@ class Trainer:
         started, parts = time.perf_counter(), {}
         with self.fault.around_save(self.step, ck.dir):
             path = checkpoint.save(ck.dir, self.model, self.optimizer, step=self.step, keep=ck.keep,
-                                   async_save=ck.async_save and not final, times=parts, scheduler=self.schedule,
+                                   async_save=ck.async_save and not final, staging=self.host_staging,
+                                   times=parts, scheduler=self.schedule,
                                    data=self.sampler, saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
             if final:
                 checkpoint.wait_pending(ck.dir)
