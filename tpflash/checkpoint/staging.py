@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Callable, Dict, Optional
 
 import torch
@@ -27,6 +28,17 @@ def async_group() -> Optional[dist.ProcessGroup]:
     if cached is None or cached[0] is not world:
         cached = _groups[id(world)] = (world, dist.new_group(backend="gloo"))
     return cached[1]
+
+
+def _page_locked_empty(like: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor shaped like `like`, registered with CUDA as page-locked for its lifetime.
+    Registered rather than taken from torch's pinned allocator, which rounds every block up to a
+    power of two (up to twice the state's size in host memory)."""
+    buffer = torch.empty(like.shape, dtype=like.dtype)
+    size = buffer.numel() * buffer.element_size()
+    if size and int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0)) == 0:
+        weakref.finalize(buffer, torch.cuda.cudart().cudaHostUnregister, buffer.data_ptr())
+    return buffer  # unregistered where that failed: its copies are pageable, and correct
 
 
 class HostStaging:
@@ -68,7 +80,8 @@ class HostStaging:
         source = source.detach()
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=self.pinned and source.is_cuda)
+            buffer = _page_locked_empty(source) if self.pinned and source.is_cuda else torch.empty(
+                source.shape, dtype=source.dtype)
             self._buffers[key] = buffer
         queued = source.is_cuda and buffer.is_pinned()
         buffer.copy_(source, non_blocking=queued)
