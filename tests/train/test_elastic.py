@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -11,6 +12,7 @@ from tests.train.common import write_corpus
 from tests.train.elastic import ROOT, TINY_GPT, env, last_loss_by_step, torchrun
 
 STEPS = 8
+FAULTS = ["kill_at_step:5", "kill_in_save:6"]
 pytestmark = pytest.mark.slow
 
 
@@ -30,15 +32,32 @@ def corpus(run_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(run_dir, corpus):
-    torchrun(2, _args(run_dir, "clean", corpus, "--tp=2"))
+def launches(run_dir, corpus):
+    """{run name: future of its torchrun}: the uninterrupted run and one run per fault, started side by
+    side. Each is mostly process start-up and restarts, which leave cores idle, so the three together
+    take less than one after another; each test awaits the runs it checks."""
+    with ThreadPoolExecutor(max_workers=1 + len(FAULTS)) as pool:
+        futures = {"clean": pool.submit(torchrun, 2, _args(run_dir, "clean", corpus, "--tp=2"))}
+        for fault in FAULTS:
+            futures[_name(fault)] = pool.submit(torchrun, 2, _args(run_dir, _name(fault), corpus, "--tp=2"),
+                                                max_restarts=1, fault=fault)
+        yield futures
+
+
+def _name(fault):
+    return fault.replace(":", "_")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(run_dir, launches):
+    launches["clean"].result()
     return last_loss_by_step(f"{run_dir}/clean")
 
 
-@pytest.mark.parametrize("fault", ["kill_at_step:5", "kill_in_save:6"])
-def test_killed_worker_restarts_and_ends_with_the_uninterrupted_loss(run_dir, corpus, uninterrupted, fault):
-    name = fault.replace(":", "_")
-    proc = torchrun(2, _args(run_dir, name, corpus, "--tp=2"), max_restarts=1, fault=fault)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_killed_worker_restarts_and_ends_with_the_uninterrupted_loss(run_dir, launches, uninterrupted, fault):
+    name = _name(fault)
+    proc = launches[name].result()
     assert "SIGKILL" in proc.stdout + proc.stderr, "the fault never fired"
     got = last_loss_by_step(f"{run_dir}/{name}")
     assert set(got) == set(range(1, STEPS + 1))
