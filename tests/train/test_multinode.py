@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -54,10 +55,13 @@ def test_two_nodes_train_and_one_node_resumes_the_curve(tmp_path):
     assert "layout: tp=1 dp=2 (world 2, cpu)" in node0, node0
     assert open(f"{tmp_path}/run/ckpt/latest").read().strip().endswith("step_4")
 
-    resumed = torchrun(1, [*common, *run, "--train.steps=6"], timeout=TIMEOUT_S)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the uninterrupted reference runs beside the resume
+        reference = pool.submit(torchrun, 1, [*common, f"--log.dir={tmp_path}/ref", "--train.steps=6"],
+                                timeout=TIMEOUT_S)
+        resumed = torchrun(1, [*common, *run, "--train.steps=6"], timeout=TIMEOUT_S)
+        reference.result()
     assert f"resumed from {tmp_path}/run/ckpt at step 4 saved at tp=1 dp=2" in resumed.stdout, resumed.stdout
 
-    torchrun(1, [*common, f"--log.dir={tmp_path}/ref", "--train.steps=6"], timeout=TIMEOUT_S)
     got, ref = last_loss_by_step(f"{tmp_path}/run"), last_loss_by_step(f"{tmp_path}/ref")
     assert sorted(got) == list(range(1, 7))
     for step in range(1, 7):  # dp=2 then dp=1 against dp=1 throughout: the same samples, the same curve
@@ -81,8 +85,19 @@ def _sbatch(tmp_path, *args):
     return subprocess.run(["bash", SBATCH, *args], env=env(**slurm), capture_output=True, text=True, timeout=60)
 
 
-def test_the_slurm_script_starts_one_c10d_torchrun_per_node(tmp_path):
-    proc = _sbatch(tmp_path, "--config", "demo", "--checkpoint.dir=runs/x/ckpt")
+@pytest.fixture(scope="module")
+def sbatch_runs(tmp_path_factory):
+    """{name: future of _sbatch's result}: the script's runs, started side by side (each is mostly one
+    Python process's start-up on one core)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {"saves": pool.submit(_sbatch, tmp_path_factory.mktemp("slurm"), "--config", "demo",
+                                    "--checkpoint.dir=runs/x/ckpt"),
+               "saves nothing": pool.submit(_sbatch, tmp_path_factory.mktemp("slurm"), "--config", "demo",
+                                            "--checkpoint.dir=")}
+
+
+def test_the_slurm_script_starts_one_c10d_torchrun_per_node(sbatch_runs):
+    proc = sbatch_runs["saves"].result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=0 python -m torch.distributed.run "
                                   "--nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d "
@@ -93,7 +108,7 @@ def test_the_slurm_script_starts_one_c10d_torchrun_per_node(tmp_path):
     assert "#SBATCH --signal=TERM@120" in open(SBATCH).read()  # SIGTERM well before the limit: time to save
 
 
-def test_the_slurm_script_refuses_a_run_that_saves_nothing(tmp_path):
-    proc = _sbatch(tmp_path, "--config", "demo", "--checkpoint.dir=")
+def test_the_slurm_script_refuses_a_run_that_saves_nothing(sbatch_runs):
+    proc = sbatch_runs["saves nothing"].result()
     assert proc.returncode == 2 and "error: no checkpoint.dir" in proc.stderr, proc.stdout + proc.stderr
     assert "srun" not in proc.stdout
