@@ -58,9 +58,6 @@ class Chunk:
                           tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(
                               self.piece), size=self.shape))]
 
-    def to_host(self) -> "Chunk":
-        return Chunk(self.piece.detach().to("cpu", copy=True), self.offsets, self.shape)
-
 
 @dataclass
 class TensorSlot:
