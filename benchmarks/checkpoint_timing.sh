@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # How long a large model's checkpoints take on one node, against the disk's own bandwidth:
 #   OUT=<dir> [CKPT=<dir on the disk to measure>] [PRESET=llama-3-8b] [VOCAB=128256] [NPROC=4] \
-#     [PHASES="disk save load async"] bash benchmarks/checkpoint_timing.sh
+#     [PHASES="disk save load async dcp"] bash benchmarks/checkpoint_timing.sh
 # disk:  dd, DISK_GB (8) GB with direct I/O: one writer, NPROC writers side by side (as the ranks write), one reader.
 # save:  the trainer, sharded dp=NPROC (fsdp=on), 3 steps, then its synchronous save of model + AdamW state.
 # load:  the same checkpoint resumed at tp=2 x dp=NPROC/2 (fsdp=zero1), then the Hugging Face export.
 # async: sharded dp=NPROC, 100 steps, an async save at step 50, the final one synchronous (room for two
 #        checkpoints on CKPT's disk): the staging time, and the steps' time while the save is written.
+# dcp:   the peer: PyTorch DCP's own dcp.save and dcp.async_save of the same model and AdamW state at
+#        sharded dp=NPROC (benchmarks/checkpoint_dcp_peer.py, as torchtitan saves).
 # Every trainer phase logs [checkpoint] records (save_s / staged_s / write_s / load_s / export_s, GB, GB/s);
 # `python benchmarks/checkpoint_table.py $OUT` prints the table. Data: byte-level standard-library text.
 set -uo pipefail
@@ -59,8 +61,14 @@ async() {
   rm -rf "$CKPT/ck"
 }
 
+dcp() {
+  timeout 420 $RUN benchmarks/checkpoint_dcp_peer.py --preset "${PRESET:-llama-3-8b}" --vocab "${VOCAB:-128256}" \
+    --dir "$CKPT/dcp" --out "$OUT/dcp" 2>&1 | grep -E "^\[dcp peer\]|rror"
+  rm -rf "$CKPT/dcp"
+}
+
 nvidia-smi -L
-for phase in ${PHASES:-disk save load async}; do
+for phase in ${PHASES:-disk save load async dcp}; do
   echo "== $phase =="
   $phase 2>&1 | tee -a "$OUT/$phase.log"
 done
