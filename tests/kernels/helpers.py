@@ -1,7 +1,12 @@
 """Shared by the kernel tests: run a function on a backend, compare against a float64 reference."""
 from __future__ import annotations
 
+import functools
+import json
 import os
+import subprocess
+import sys
+from typing import Dict
 
 import pytest
 import torch
@@ -46,3 +51,47 @@ def float64_twin(fn, inputs, grads_out, grad_of=None):
     """(outputs, grads) of fn on float64 copies of the floating inputs: the ground truth."""
     twins = [t.double() if t is not None and t.is_floating_point() else t for t in inputs]
     return run_with_grads(fn, twins, [g.double() for g in grads_out], backend="reference", grad_of=grad_of)
+
+
+# Compiling for an H100 (sm_90 machine code, no GPU needed) catches what the interpreter lets through.
+# Each kernel's test module registers a program that compiles its kernel and prints "compiled ..."; the
+# programs run in one fresh process without TRITON_INTERPRET (where @triton.jit gives compilable
+# kernels), at the first test that asks: importing torch and Triton there costs more than the compiles.
+_H100_PROGRAMS: Dict[str, str] = {}
+
+_RUN_PROGRAMS = """
+import contextlib, io, json, sys, traceback
+results = {}
+for name, code in json.load(sys.stdin).items():
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, f"<{name}>", "exec"), {"__name__": "__main__"})
+        results[name] = {"stdout": out.getvalue(), "error": None}
+    except BaseException:  # noqa: BLE001 - each program's failure is its own test's
+        results[name] = {"stdout": out.getvalue(), "error": traceback.format_exc()}
+print(json.dumps(results))
+"""
+
+
+def h100_program(name: str, code: str) -> str:
+    """Register `code` to be compiled for an H100 under `name` (at import of the kernel's test module)."""
+    _H100_PROGRAMS[name] = code
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _h100_results() -> Dict[str, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _RUN_PROGRAMS], input=json.dumps(_H100_PROGRAMS), env=env,
+                          cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def compiled_for_h100(name: str) -> str:
+    """What the program registered as `name` printed; fails with its traceback if it raised."""
+    result = _h100_results()[name]
+    assert result["error"] is None, result["error"][-3000:]
+    return result["stdout"]

@@ -1,12 +1,10 @@
 """bias_activation: act(y + bias) and its backward (dy and the fused bias-gradient sum) vs float64."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.kernels.helpers import DEVICE, assert_rel, float64_twin, needs_interpreter, run_with_grads
+from tests.kernels.helpers import (DEVICE, assert_rel, compiled_for_h100, float64_twin, h100_program, needs_interpreter,
+                                   run_with_grads)
 from tpflash.kernels import bias_activation, use_backend
 
 ACTS = ["gelu", "gelu_exact", "relu"]
@@ -83,7 +81,7 @@ def test_bias_activation_matches_float64_on_gpu(shape, activation):
     _check(shape, torch.bfloat16, activation, DEVICE)
 
 
-_COMPILE_FOR_H100 = """
+_COMPILE_FOR_H100 = h100_program("bias_activation", """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -99,14 +97,11 @@ for act in ACTIVATION_IDS.values():
                                   target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"], (act, backward)
 print("compiled", 2 * len(ACTIVATION_IDS))
-"""
+""")
 
 
 def test_bias_activation_kernel_compiles_for_an_h100():
     # The interpreter runs the kernel as Python; Triton's compiler (here to sm_90 machine code, no GPU
     # needed) rejects what the interpreter lets through, e.g. a kernel reading a plain Python global.
     # A fresh process without TRITON_INTERPRET, where @triton.jit gives compilable kernels.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "compiled 6" in done.stdout, done.stderr[-3000:]
+    assert "compiled 6" in compiled_for_h100(_COMPILE_FOR_H100)

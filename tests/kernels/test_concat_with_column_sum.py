@@ -1,14 +1,11 @@
 """concat_with_column_sum: the stacked layers' gradient concatenation with its bias gradient (column
 sums) in one pass, against torch.cat and float64 sums: 1-3 parts, 2-D and strided 3-D views (the
 attention's [s, b, c] gradients over [b, s, c] memory), bits that repeat, clear errors."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_rel, needs_interpreter
+from tests.kernels.helpers import assert_rel, compiled_for_h100, h100_program, needs_interpreter
 from tpflash.kernels import concat_with_column_sum, use_backend
 from tpflash.kernels.column_sum import joined_column_blocks
 
@@ -82,7 +79,7 @@ def test_concat_matches_torch_on_gpu(widths):
         assert torch.equal(concat_with_column_sum(parts)[1], concat_with_column_sum(parts)[1])
 
 
-_COMPILE_FOR_H100 = """
+_COMPILE_FOR_H100 = h100_program("concat_with_column_sum", """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -98,15 +95,12 @@ compiled = triton.compile(ASTSource(_concat_sum_kernel, signature, constexprs=co
                           target=GPUTarget("cuda", 90, 32))
 assert compiled.asm["cubin"]
 print("compiled")
-"""
+""")
 
 
 def test_concat_kernel_compiles_for_an_h100():
     # as test_bias_activation's twin: Triton's compiler rejects what the interpreter lets through
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert "compiled" in compiled_for_h100(_COMPILE_FOR_H100)
 
 
 def test_joined_column_blocks_is_the_buffer_the_splits_of_a_contiguous_tensor_view():

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.kernels.helpers import DEVICE, needs_interpreter
+from tests.kernels.helpers import DEVICE, compiled_for_h100, h100_program, needs_interpreter
 from tpflash.kernels import use_backend
 from tpflash.kernels.fp8 import E4M3, E5M2, FP8_MAX, cast, quantize, tensor_amax
 
@@ -176,7 +176,7 @@ def test_the_benchmark_cpu_smoke_run_prints_a_row_per_cast_and_impl():
     assert all(float(c[3]) > 0 and float(c[4]) > 0 for c in cells)  # ms, GB/s
 
 
-_COMPILE_FOR_H100 = """
+_COMPILE_FOR_H100 = h100_program("fp8_cast", """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -200,15 +200,12 @@ for scale_by, row, col, block_r, block_c in ((0, True, False, 1, 2048), (1, Fals
         FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_A=1024))
     n += bool(triton.compile(src, target=target, options={"num_warps": 4}).asm["cubin"])
 print("compiled", n)
-"""
+""")
 
 
 def test_fp8_cast_kernels_compile_for_an_h100():
     # the interpreter lets through what Triton's compiler rejects (bias_activation's test says more)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    assert done.returncode == 0 and "compiled 5" in done.stdout, done.stderr[-3000:]
+    assert "compiled 5" in compiled_for_h100(_COMPILE_FOR_H100)
 
 
 @pytest.mark.gpu

@@ -1,13 +1,11 @@
 """swiglu: silu(gate) * up and its backward vs float64, on strided halves of one GEMM output, and the
 backward's one [*, 2n] gradient buffer for adjacent halves."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.kernels.helpers import DEVICE, assert_rel, float64_twin, needs_interpreter, run_with_grads
+from tests.kernels.helpers import (DEVICE, assert_rel, compiled_for_h100, float64_twin, h100_program, needs_interpreter,
+                                   run_with_grads)
 from tpflash.kernels import swiglu, use_backend
 from tpflash.kernels.column_sum import joined_column_blocks
 
@@ -169,7 +167,7 @@ def test_swiglu_matches_float64_on_gpu(rows, n, stacked):
     assert_rel(d_gate, ref_gate, torch.bfloat16, "d_gate")
 
 
-_COMPILE_FOR_H100 = """
+_COMPILE_FOR_H100 = h100_program("swiglu", """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -183,12 +181,9 @@ for backward, cfg in LAUNCH.items():
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["WARPS"]})
     assert compiled.asm["cubin"], backward
 print("compiled", len(LAUNCH))
-"""
+""")
 
 
 def test_swiglu_kernel_compiles_for_an_h100():
     # the interpreter lets through what Triton's compiler rejects (bias_activation's test says more)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "compiled 2" in done.stdout, done.stderr[-3000:]
+    assert "compiled 2" in compiled_for_h100(_COMPILE_FOR_H100)
