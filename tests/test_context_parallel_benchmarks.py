@@ -5,7 +5,9 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,18 +18,35 @@ from tpflash.kernels import flash_attention  # noqa: E402
 from tpflash.parallel.zigzag import zigzag_shard  # noqa: E402
 
 
-def test_the_cpu_smoke_run_prints_a_row_per_seq_with_efficiencies():
-    seqs = ["256", "512"]
+SEQS = ["256", "512"]
+
+
+def _run(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "benchmarks/ring_chunks.py", "--device", "cpu", "--seqs", *seqs,
-                           "--heads-q", "4", "--heads-kv", "2", "--head-dim", "16", "--reps", "1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs():
+    """{benchmark: future of its CPU smoke run}, both started at once: the one-process ring_chunks.py run,
+    mostly start-up on one core, fits beside the two-rank context_attention.py run."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {"ring_chunks": pool.submit(_run, "benchmarks/ring_chunks.py", "--device", "cpu", "--seqs", *SEQS,
+                                          "--heads-q", "4", "--heads-kv", "2", "--head-dim", "16", "--reps", "1"),
+               "context_attention": pool.submit(_run, "-m", "torch.distributed.run", "--standalone",
+                                                "--nproc_per_node=2", "benchmarks/context_attention.py", "--device",
+                                                "cpu", "--seqs", "64", "--heads-q", "4", "--heads-kv", "2",
+                                                "--head-dim", "8", "--reps", "1", "--warmup", "0")}
+
+
+def test_the_cpu_smoke_run_prints_a_row_per_seq_with_efficiencies(smoke_runs):
+    done = smoke_runs["ring_chunks"].result()
     assert done.returncode == 0, done.stderr
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
     header = [c.strip() for c in table[0].strip("|").split("|")]
     assert "fwd efficiency" in header and "fwd+bwd efficiency" in header
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
-    assert [r[0] for r in rows] == seqs
+    assert [r[0] for r in rows] == SEQS
     for row in rows:
         assert len(row) == len(header)
         assert float(row[header.index("fwd+bwd efficiency")]) > 0
@@ -53,12 +72,8 @@ def test_each_ranks_block_calls_give_its_share_of_whole_attention_and_dq():
         torch.testing.assert_close(dq, zigzag_shard(q.grad, 1, rank, cp), atol=1e-5, rtol=1e-5)
 
 
-def test_the_two_rank_context_attention_benchmark_runs_over_gloo_and_prints_its_table():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "benchmarks/context_attention.py", "--device", "cpu", "--seqs", "64", "--heads-q", "4",
-                           "--heads-kv", "2", "--head-dim", "8", "--reps", "1", "--warmup", "0"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+def test_the_two_rank_context_attention_benchmark_runs_over_gloo_and_prints_its_table(smoke_runs):
+    done = smoke_runs["context_attention"].result()
     assert done.returncode == 0, done.stderr[-2000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("| 64 |")]
     assert len(table) == 1
