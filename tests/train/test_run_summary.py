@@ -1,11 +1,14 @@
 """What a run says about itself: warnings at start (no checkpoint.dir, warmup longer than the run),
-tokens/s both for the job and per GPU, and the end-of-run summary line."""
+tokens/s both for the job and per GPU, and the end-of-run summary line, also after SIGTERM, which saves
+the current step and exits 0."""
 import json
 import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from tests.train.common import tiny_config
@@ -54,32 +57,25 @@ def test_totals_cover_the_whole_run_and_the_summary_names_where_things_are(monke
                          "metrics: runs/x/metrics.jsonl"), text
 
 
-def test_a_run_without_checkpoint_dir_warns_at_start_and_end_and_ends_with_a_summary(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
-    cmd = [sys.executable, "-m", "tpflash.train", f"--data.path={corpus}", f"--log.dir={tmp_path}",
+def _write_corpus(directory):
+    corpus = os.path.join(directory, "corpus.txt")
+    with open(corpus, "w") as f:
+        f.write("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
+    return corpus
+
+
+def _run_without_checkpoint_dir(directory):
+    """A 3-step run with no checkpoint.dir and a warmup longer than the run: (its result, its log.dir)."""
+    cmd = [sys.executable, "-m", "tpflash.train", f"--data.path={_write_corpus(directory)}", f"--log.dir={directory}",
            *TINY_GPT, "--train.steps=3", "--train.warmup_steps=10", "--log.tensorboard=off"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    warning = f"WARNING: {metrics.NO_CHECKPOINT_DIR}"
-    assert proc.stderr.count(warning) == 2, proc.stderr  # at start and at the end
-    assert "WARNING: train.warmup_steps=10 > train.steps=3" in proc.stderr, proc.stderr
-    summary = [line for line in proc.stdout.splitlines() if line.startswith("run summary: ")]
-    assert len(summary) == 1 and "steps 1-3 (3 steps)" in summary[0], proc.stdout
-    assert "checkpoints: none (no checkpoint.dir)" in summary[0] and "eval_loss" in summary[0], summary
-    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    train = [r for r in rows if r["kind"] == "train"]
-    assert all(r["tokens_per_s_per_gpu"] == r["tokens_per_s"] for r in train)  # one process: one device
-    (record,) = [r for r in rows if r["kind"] == "summary"]
-    assert record["steps"] == 3 and record["tokens"] == 3 * 4 * 16 and record["loss"] == train[-1]["loss"]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120), directory
 
 
-def test_a_run_stopped_by_sigterm_ends_with_its_summary(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
-    ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "tpflash.train", f"--data.path={corpus}", f"--checkpoint.dir={ckpt}",
+def _run_stopped_by_sigterm(directory):
+    """A long run with a checkpoint.dir, SIGTERMed once step 3 is logged: (exit status, what it printed
+    after the signal, its checkpoint.dir)."""
+    ckpt = os.path.join(directory, "ckpt")
+    cmd = [sys.executable, "-m", "tpflash.train", f"--data.path={_write_corpus(directory)}", f"--checkpoint.dir={ckpt}",
            *TINY_GPT, "--train.steps=100000", "--train.warmup_steps=2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -87,11 +83,50 @@ def test_a_run_stopped_by_sigterm_ends_with_its_summary(tmp_path):
             if line.startswith("[train] step 3 "):
                 break
         proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=60)
+        rest, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()  # no-op once it has exited
-    assert proc.returncode == 0, rest
+    return proc.returncode, rest, ckpt
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: future of its result}: the two trainer runs the tests below read, started together (each is
+    one process, mostly start-up on one core)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {"no checkpoint.dir": pool.submit(_run_without_checkpoint_dir, str(tmp_path_factory.mktemp("plain"))),
+               "sigterm": pool.submit(_run_stopped_by_sigterm, str(tmp_path_factory.mktemp("sigterm")))}
+
+
+def test_a_run_without_checkpoint_dir_warns_at_start_and_end_and_ends_with_a_summary(runs):
+    proc, log_dir = runs["no checkpoint.dir"].result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warning = f"WARNING: {metrics.NO_CHECKPOINT_DIR}"
+    assert proc.stderr.count(warning) == 2, proc.stderr  # at start and at the end
+    assert "WARNING: train.warmup_steps=10 > train.steps=3" in proc.stderr, proc.stderr
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("run summary: ")]
+    assert len(summary) == 1 and "steps 1-3 (3 steps)" in summary[0], proc.stdout
+    assert "checkpoints: none (no checkpoint.dir)" in summary[0] and "eval_loss" in summary[0], summary
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert all(r["tokens_per_s_per_gpu"] == r["tokens_per_s"] for r in train)  # one process: one device
+    (record,) = [r for r in rows if r["kind"] == "summary"]
+    assert record["steps"] == 3 and record["tokens"] == 3 * 4 * 16 and record["loss"] == train[-1]["loss"]
+
+
+def test_sigterm_saves_the_current_step_and_exits_cleanly(runs):
+    returncode, rest, ckpt = runs["sigterm"].result()
+    assert returncode == 0, rest
+    assert "SIGTERM: saving step" in rest
+    saved = open(os.path.join(ckpt, "latest")).read().strip()
+    assert int(saved.split("_")[1]) >= 3
+
+
+def test_a_run_stopped_by_sigterm_ends_with_its_summary(runs):
+    returncode, rest, ckpt = runs["sigterm"].result()
+    assert returncode == 0, rest
     (summary,) = [line for line in rest.splitlines() if line.startswith("run summary: ")]
-    saved = int(open(ckpt / "latest").read().strip().rsplit("_", 1)[1])
+    saved = int(open(os.path.join(ckpt, "latest")).read().strip().rsplit("_", 1)[1])
     assert f"checkpoints: {ckpt} (newest step {saved})" in summary and f"steps 1-{saved} " in summary, summary
     assert "WARNING" not in rest  # a checkpoint.dir and a short warmup: nothing to warn about
