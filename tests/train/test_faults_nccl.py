@@ -17,8 +17,10 @@ import shutil
 import pytest
 import torch
 
-from tests.train.common import write_corpus
-from tests.train.elastic import TINY_GPT, last_loss_by_step, launch, torchrun
+from tests.train.common import tiny_config, write_corpus
+from tests.train.elastic import last_loss_by_step, launch, torchrun
+from tests.train.tiny_model import TinyConfig, TinyLM
+from tpflash.train.loop import Trainer
 
 STEPS = 8
 # a small GPT that runs tpflash's CUDA kernels and graphs; checkpoints every 2 steps, all kept
@@ -116,11 +118,19 @@ def test_a_stalled_rank_is_named_in_one_line_and_the_restart_finishes_the_job(jo
     assert got[STEPS] == pytest.approx(reference[STEPS], rel=1e-6, abs=1e-6)
 
 
-@pytest.mark.slow
-def test_term_at_step_on_cpu_ranks_saves_the_next_step_and_exits_0(tmp_path):
-    corpus = write_corpus(str(tmp_path))
-    args = [f"--data.path={corpus}", f"--checkpoint.dir={tmp_path}/ckpt", f"--log.dir={tmp_path}", "--train.steps=8",
-            "--tp=2", *TINY_GPT]
-    proc = torchrun(2, args, fault="term_at_step:3")
-    assert "SIGTERM: saving step 4 and exiting" in proc.stdout, proc.stdout[-3000:]
-    assert open(tmp_path / "ckpt" / "latest").read().strip().endswith("step_4")
+def term_body(cfg):
+    """Run with TPFLASH_FAULT=term_at_step:3 (the last rank signals itself); (steps run, newest checkpoint)."""
+    os.environ["TPFLASH_FAULT"] = "term_at_step:3"
+    try:
+        trainer = Trainer(cfg, TinyConfig, TinyLM)
+        trainer.run()
+    finally:
+        del os.environ["TPFLASH_FAULT"]
+    return trainer.step, open(os.path.join(cfg.checkpoint.dir, "latest")).read().strip()
+
+
+@pytest.mark.cpu_ranks
+def test_term_at_step_on_cpu_ranks_saves_the_next_step_on_every_rank_and_stops(ranks, tmp_path):
+    cfg = tiny_config(write_corpus(str(tmp_path)), tp=2, train={"steps": 8}, checkpoint={"dir": str(tmp_path / "ck")})
+    for step, latest in ranks(2).run(term_body, cfg):
+        assert step == 4 and latest.endswith("step_4"), (step, latest)
