@@ -20,6 +20,12 @@ import torch
 import torch.multiprocessing as mp
 
 TIMEOUT_S = float(os.environ.get("TPFLASH_TEST_TIMEOUT", "180"))
+# Every process group a body builds (tpflash.parallel.init, FSDP meshes, ...) keeps gloo threads that
+# wake every few milliseconds, and bodies never destroy their groups (the library may cache them), so a
+# long-lived worker gathers hundreds of such threads: at a thousand, the four workers of a 4-rank pool
+# burn a whole core while the pool sits idle and other tests run. A pool whose workers have passed this
+# many threads is replaced at its next use (a few seconds to start a fresh one).
+MAX_WORKER_THREADS = 200
 
 
 def backend_for(world_size: int) -> str:
@@ -109,8 +115,21 @@ class RankPool:
                                  + "\n".join(lines))
         return [got[r][1] for r in range(self.world_size)]
 
-    def close(self) -> None:
-        if not self.broken:
+    def worker_threads(self) -> int:
+        """The most threads any worker has (0 where /proc cannot tell)."""
+        most = 0
+        for p in self.procs:
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    most = max(most, next(int(line.split()[1]) for line in f if line.startswith("Threads:")))
+            except (OSError, StopIteration, ValueError):
+                pass
+        return most
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers: let them leave their process groups and exit, or (kill, or a broken pool)
+        kill them."""
+        if not (self.broken or kill):
             for q in self.tasks:
                 q.put(None)
             for p in self.procs:
@@ -123,7 +142,8 @@ class RankPool:
 
 
 class PoolCache:
-    """One live RankPool per (world size, backend); a broken pool is replaced on next use."""
+    """One live RankPool per (world size, backend); a broken pool, or one with too many threads
+    (MAX_WORKER_THREADS), is replaced on next use."""
 
     def __init__(self):
         self.pools: Dict[Tuple[int, str], RankPool] = {}
@@ -132,9 +152,9 @@ class PoolCache:
     def __call__(self, world_size: int) -> RankPool:
         key = (world_size, self.backend or backend_for(world_size))
         pool = self.pools.get(key)
-        if pool is None or pool.broken:
+        if pool is None or pool.broken or pool.worker_threads() > MAX_WORKER_THREADS:
             if pool is not None:
-                pool.close()
+                pool.close(kill=True)  # nothing in it is worth a clean exit
             pool = self.pools[key] = RankPool(world_size, key[1])
         return pool
 
