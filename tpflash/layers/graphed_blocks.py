@@ -74,6 +74,12 @@ class _CudaGraph:
     def replay(self) -> None:
         self.graph.replay()
 
+    def release(self) -> None:
+        # A graph that captured NCCL kernels holds a reference on their communicator until the graph
+        # itself is destroyed, and destroying the process group waits for that reference forever
+        # (pytorch/pytorch#115388): reset it now rather than whenever the last Python reference goes.
+        self.graph.reset()
+
 
 class _EagerGraph:
     """CPU stand-in: replay() reruns the captured function under the autocast and grad mode of capture."""
@@ -88,6 +94,9 @@ class _EagerGraph:
     def replay(self) -> None:
         with torch.enable_grad(), _autocast(self.device_type, self.autocast_state):
             self.fn()
+
+    def release(self) -> None:
+        self.fn = None
 
 
 def check_graphable(blocks: Sequence[nn.Module]) -> None:
@@ -218,6 +227,14 @@ class GraphedBlocks:
         torch.cuda.synchronize()
 
     # ---- replay -----------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Destroy the captured graphs now (their memory pool goes with the last of them). Call it before
+        destroying the process groups whose collectives they captured; the object replays no more."""
+        for graph in (getattr(self, "fwd_graph", None), getattr(self, "bwd_graph", None)):
+            if graph is not None:
+                graph.release()
+        self.fwd_graph = self.bwd_graph = None
+
     def matches(self, x: torch.Tensor) -> bool:
         """Whether a replay computes what the eager blocks would for this input, here and now."""
         return (torch.is_grad_enabled() and (tuple(x.shape), x.dtype, x.device) == self.key

@@ -205,7 +205,11 @@ class GPT(nn.Module):
         self._graphed_blocks = GraphedBlocks(self.blocks, sample, dp_sync=dp_sync)
 
     def release_cuda_graphs(self) -> None:
-        """Drop the captured graphs (and their memory pool); forwards run eagerly again."""
+        """Destroy the captured graphs (and their memory pool); forwards run eagerly again. Call it
+        before destroying the process groups (tpflash.parallel.shutdown): a live graph holding NCCL
+        kernels makes that wait forever."""
+        if self._graphed_blocks is not None:
+            self._graphed_blocks.release()
         self._graphed_blocks = None
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

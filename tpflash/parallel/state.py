@@ -109,17 +109,39 @@ def set_default_state(state: Optional[ParallelState]) -> None:
     _default_state = state
 
 
-def shutdown() -> None:
+def shutdown(exit_after_s: Optional[float] = None, exit_status: int = 0) -> None:
     """End the job's distributed state: destroy every process group, clear the default state, and free
-    what referred to them now. Call it last, after dropping your own model (`del model`): on CPU, gloo
-    groups and device meshes left for the interpreter's exit made about 1 in 10 two-rank runs abort
-    with SIGABRT after finishing (torch 2.13)."""
+    what referred to them now. Call it last, after dropping your own model (`del model`; a model with
+    CUDA graphs: `release_cuda_graphs()` first, since a live graph that captured NCCL kernels makes the
+    destruction wait forever): on CPU, gloo groups and device meshes left for the interpreter's exit
+    made about 1 in 10 two-rank runs abort with SIGABRT after finishing (torch 2.13).
+
+    `exit_after_s`: if destroying the groups has not returned after this many seconds, print one line
+    and end the process with `exit_status` (for a launcher's worker, whose work is done or failed
+    already: a hang here would hold the whole job)."""
     import gc
-    gc.collect()  # first what the caller dropped (a model's CUDA graphs hold NCCL kernels of these groups)
+    import threading
+    gc.collect()  # first what the caller dropped
     if dist.is_initialized():
-        dist.destroy_process_group()
+        guard = None
+        if exit_after_s is not None:
+            guard = threading.Timer(exit_after_s, _exit_stuck, args=(exit_after_s, exit_status))
+            guard.daemon = True
+            guard.start()
+        try:
+            dist.destroy_process_group()
+        finally:
+            if guard is not None:
+                guard.cancel()
     set_default_state(None)
     gc.collect()
+
+
+def _exit_stuck(waited_s: float, status: int) -> None:
+    rank = os.environ.get("RANK", "0")
+    print(f"warning: rank {rank}: destroying the process groups did not finish within {waited_s:.0f} s; "
+          f"exiting with status {status} without it", flush=True)
+    os._exit(status)
 
 
 def check_layout(world_size: int, tp: int, dp: int, cp: int = 1) -> int:

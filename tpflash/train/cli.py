@@ -46,6 +46,11 @@ USER_ERROR_STATUS = 2
 # in its first collective until the timeout, so the wait costs nothing there.
 OTHER_RANK_GRACE_S = 30.0
 
+# Destroying the process groups takes well under a second; one that has not returned after this
+# long never will (e.g. a communicator some CUDA graph still holds), and the worker exits without
+# it rather than holding the job (the run's work is saved or has failed already by then).
+SHUTDOWN_WAIT_S = 30.0
+
 
 def _rank() -> int:
     """This process's global rank under torchrun (0 when launched directly)."""
@@ -98,6 +103,7 @@ def _run(argv: Sequence[str], print_only: bool) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)  # stacks on demand (module docstring)
     from ..parallel import shutdown
     from .loop import Trainer
+    trainer, finished = None, False
     try:
         trainer = Trainer(cfg)
         trainer.run()
@@ -106,10 +112,12 @@ def _run(argv: Sequence[str], print_only: bool) -> int:
             if trainer.is_main:
                 print(f"--- sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}) ---\n{text}\n---",
                       flush=True)
-        trainer.close()  # the clean end only: after an error the device may wait on a peer that never comes
+        finished = True
     finally:
+        if trainer is not None:
+            trainer.close(wait_for_device=finished)  # after an error the device may wait on a peer that never comes
         trainer = None  # its model holds the process groups: shutdown() frees them while the interpreter is whole
-        shutdown()
+        shutdown(exit_after_s=SHUTDOWN_WAIT_S, exit_status=0 if finished else 1)
     return 0
 
 

@@ -417,11 +417,12 @@ class Trainer:
             if self.changed_settings:
                 out.note(f"optimizer settings from this config, not the checkpoint: {'; '.join(self.changed_settings)}")
 
-    def close(self) -> None:
-        """The end of a finished run, before the process groups are destroyed: wait for the device's
-        queued work (zero1's parameter gathers run on a side stream) and free the CUDA graphs, whose
-        captured NCCL kernels refer to the groups' communicators."""
-        if self.device.type == "cuda":
+    def close(self, wait_for_device: bool = True) -> None:
+        """The end of a run, before the process groups are destroyed: wait for the device's queued work
+        (zero1's parameter gathers run on a side stream; not after an error, when a kernel may wait on a
+        peer that never comes) and destroy the CUDA graphs, whose captured NCCL kernels hold the groups'
+        communicators."""
+        if wait_for_device and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         release = getattr(self.model, "release_cuda_graphs", None)
         if release is not None:

@@ -1,0 +1,43 @@
+"""tpflash.parallel.shutdown at the end of a job: a model's released CUDA graphs let the NCCL groups be
+destroyed (a live graph holding NCCL kernels makes that wait forever), and a destruction that hangs
+anyway ends the process after `exit_after_s` instead of holding the job."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+
+
+def _torchrun_graphed_shutdown(gpus: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "tests", "distributed", "graphed_shutdown.py")]
+    env = {**CLEAN_ENV, "CUDA_VISIBLE_DEVICES": gpus, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.gpu
+def test_released_cuda_graphs_with_nccl_inside_let_the_groups_be_destroyed():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    done = _torchrun_graphed_shutdown("0,1")
+    assert done.returncode == 0 and done.stdout.count("destroyed") == 2, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_released_graphs_let_the_groups_be_destroyed_on_cpu_ranks():
+    done = _torchrun_graphed_shutdown("")
+    assert done.returncode == 0 and done.stdout.count("destroyed") == 2, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_a_destruction_that_hangs_ends_the_process_with_the_given_status_after_the_wait():
+    script = ("import time, torch.distributed as dist; from tpflash import parallel; parallel.init(tp=1); "
+              "dist.destroy_process_group = lambda: time.sleep(600); "
+              "parallel.shutdown(exit_after_s=1, exit_status=3)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**CLEAN_ENV, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout.count("destroying the process groups did not finish within 1 s") == 1, done.stdout
