@@ -23,9 +23,10 @@ TIMEOUT_S = float(os.environ.get("TPFLASH_TEST_TIMEOUT", "180"))
 # Every process group a body builds (tpflash.parallel.init, FSDP meshes, ...) keeps gloo threads that
 # wake every few milliseconds, and bodies never destroy their groups (the library may cache them), so a
 # long-lived worker gathers hundreds of such threads: at a thousand, the four workers of a 4-rank pool
-# burn a whole core while the pool sits idle and other tests run. A pool whose workers have passed this
-# many threads is replaced at its next use (a few seconds to start a fresh one).
-MAX_WORKER_THREADS = 200
+# burn a whole core while the pool sits idle and other tests run. A pool whose busiest worker has gained
+# more than this many threads since its first body is replaced at its next use (a few seconds to start
+# a fresh one).
+MAX_GATHERED_THREADS = 200
 
 
 def backend_for(world_size: int) -> str:
@@ -89,6 +90,7 @@ class RankPool:
         for p in self.procs:
             p.start()
         self.broken = False
+        self._first_threads: Optional[int] = None  # the busiest worker's threads after the first body
 
     def run(self, fn: Callable, *args, timeout: float = TIMEOUT_S) -> List:
         """Run fn(*args) on every rank; return the per-rank results, or raise with every rank's traceback."""
@@ -113,9 +115,11 @@ class RankPool:
                 lines.append(f"ranks {missing} did not finish within {timeout:.0f}s (hung or died)")
             raise AssertionError(f"{fn.__name__} failed on {self.world_size} ranks ({self.backend}):\n"
                                  + "\n".join(lines))
+        if self._first_threads is None:
+            self._first_threads = self._worker_threads()
         return [got[r][1] for r in range(self.world_size)]
 
-    def worker_threads(self) -> int:
+    def _worker_threads(self) -> int:
         """The most threads any worker has (0 where /proc cannot tell)."""
         most = 0
         for p in self.procs:
@@ -125,6 +129,10 @@ class RankPool:
             except (OSError, StopIteration, ValueError):
                 pass
         return most
+
+    def gathered_threads(self) -> int:
+        """Threads the busiest worker has gained since its first body (see MAX_GATHERED_THREADS)."""
+        return 0 if self._first_threads is None else self._worker_threads() - self._first_threads
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers: let them leave their process groups and exit, or (kill, or a broken pool)
@@ -142,8 +150,8 @@ class RankPool:
 
 
 class PoolCache:
-    """One live RankPool per (world size, backend); a broken pool, or one with too many threads
-    (MAX_WORKER_THREADS), is replaced on next use."""
+    """One live RankPool per (world size, backend); a broken pool, or one that has gathered too many
+    threads (MAX_GATHERED_THREADS), is replaced on next use."""
 
     def __init__(self):
         self.pools: Dict[Tuple[int, str], RankPool] = {}
@@ -152,7 +160,7 @@ class PoolCache:
     def __call__(self, world_size: int) -> RankPool:
         key = (world_size, self.backend or backend_for(world_size))
         pool = self.pools.get(key)
-        if pool is None or pool.broken or pool.worker_threads() > MAX_WORKER_THREADS:
+        if pool is None or pool.broken or pool.gathered_threads() > MAX_GATHERED_THREADS:
             if pool is not None:
                 pool.close(kill=True)  # nothing in it is worth a clean exit
             pool = self.pools[key] = RankPool(world_size, key[1])
