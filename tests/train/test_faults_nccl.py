@@ -48,7 +48,7 @@ def job(request, tmp_path_factory):
         proc = (torchrun if check else launch)(nproc, args, gpus=gpus, timeout=timeout, **kwargs)
         return proc, f"{root}/{name}"
 
-    _, ref_dir = run("reference")
+    _, ref_dir = run("reference", timeout=240)  # the first launch also compiles the kernels
     return ref_dir, run, last_loss_by_step(ref_dir)
 
 
