@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the preset's family, on CPU")
     args = parser.parse_args()
     ps = tpflash.parallel.init(tp=1)
+    async_group = dist.new_group(backend="gloo")  # async_save's collectives run on a CPU group (torchtitan's too)
     overrides = dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, vocab_size=256) if args.tiny else {}
     if args.vocab:
         overrides["vocab_size"] = args.vocab
@@ -63,7 +64,7 @@ def main() -> None:
     records.append({"kind": "checkpoint", "step": 1, "time": time.time(), **rate_record("save_s", seconds, path)})
     if ps.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
-    path, staged, future = timed("async", lambda p: dcp.async_save(state, checkpoint_id=p))
+    path, staged, future = timed("async", lambda p: dcp.async_save(state, checkpoint_id=p, process_group=async_group))
     start = time.perf_counter() - staged
     records.append({"kind": "checkpoint", "step": 2, "time": time.time(), "staged_s": round(staged, 3)})
     future.result()
