@@ -1,6 +1,8 @@
 """Single-process save/load: extras, RNG, keep-K, numbering, name-keyed optimizer state, clear errors."""
 import os
 import random
+import shutil
+import threading
 import warnings
 
 import pytest
@@ -114,6 +116,21 @@ def test_keep_k_keeps_only_the_newest_checkpoints(tmp_path):
         tpflash.checkpoint.save(tmp_path, model, optimizer, step=step, keep=2)
     assert [s for s, _ in directory.committed_steps(str(tmp_path))] == [30, 40]
     assert tpflash.checkpoint.latest(tmp_path) == os.path.join(tmp_path, "step_40")
+    directory.wait_for_deletions()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_30", "step_40"]
+
+
+def test_a_pruned_checkpoint_leaves_the_root_at_once_and_is_deleted_in_the_background(tmp_path, monkeypatch):
+    model, optimizer = _trained(0)
+    release, real_rmtree = threading.Event(), shutil.rmtree
+    monkeypatch.setattr(directory.shutil, "rmtree", lambda path, *a: (release.wait(), real_rmtree(path, *a)))
+    for step in (1, 2):
+        tpflash.checkpoint.save(tmp_path, model, optimizer, step=step, keep=1)  # returns with step_1's files still there
+    doomed = [n for n in os.listdir(tmp_path) if n.startswith(".tmp-old-step_1-")]
+    assert [s for s, _ in directory.committed_steps(str(tmp_path))] == [2] and len(doomed) == 1
+    release.set()
+    directory.wait_for_deletions()
+    assert not os.path.exists(os.path.join(tmp_path, doomed[0]))
 
 
 def test_save_without_step_numbers_after_the_newest(tmp_path):

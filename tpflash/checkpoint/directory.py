@@ -14,6 +14,11 @@ The newest committed directory with a manifest is the checkpoint (`latest()`); t
 for people and tools, so a crash between the rename and the pointer update loses nothing.
 A process removes only temps it made itself; the lock holder removes those of dead jobs
 (`remove_tmps`). Only rank 0 touches the root.
+
+Pruned and replaced steps are renamed to a temp of this process at once (`.tmp-old-step_N-...`) and
+deleted by a background thread: unlinking a large checkpoint's files takes the filesystem tens of
+seconds, which a save should not wait for. `wait_for_deletions()` joins those threads; a process that
+dies first leaves temps of a dead pid, which the next lock holder removes.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import uuid
 from typing import List, Optional, Tuple
 
@@ -32,11 +38,24 @@ CORRUPT_SUFFIX = ".corrupt"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_OWNER_RE = re.compile(r"^\.tmp-(?:old-)?(?:step_\d+|latest)-(.+)-(\d+)-[0-9a-f]{8}$")  # host, pid
 _own_tmps = set()  # temps this process made and has not committed (a failed save's: removed by the next)
+_deletions: List[threading.Thread] = []  # background deletions of pruned steps (delete_later)
 
 
 def unique_suffix() -> str:
     """-<host>-<pid>-<random hex>: makes a temp name this process's alone."""
     return f"-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def directory_bytes(path: str) -> int:
+    """The bytes of every file under `path` (0 if it does not exist)."""
+    total = 0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(parent, name))
+            except OSError:  # removed meanwhile (an older checkpoint pruned)
+                pass
+    return total
 
 
 def step_dir(root: str, step: int) -> str:
@@ -168,12 +187,8 @@ def commit(root: str, tmp: str, step: int, keep: int) -> str:
     final = step_dir(root, step)
     _fsync_dir(tmp)
     if os.path.exists(final):  # re-saving a step (e.g. after a restart): move the old one aside first
-        old = os.path.join(root, f"{TMP_PREFIX}old-{STEP_PREFIX}{step}{unique_suffix()}")
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+        delete_later(final)
+    os.rename(tmp, final)
     _own_tmps.discard(tmp)
     _fsync_dir(root)
     write_latest(root, os.path.basename(final))
@@ -188,7 +203,25 @@ def prune(root: str, keep: int, protect: Optional[str] = None) -> None:
     steps = committed_steps(root)
     for _, path in steps[:max(0, len(steps) - keep)]:
         if path != protect:
-            shutil.rmtree(path, ignore_errors=True)
+            delete_later(path)
+
+
+def delete_later(path: str) -> None:
+    """Take the directory `path` out of its root now (a rename to a temp of this process) and delete it
+    in a background thread (module docstring)."""
+    parent, name = os.path.split(path)
+    doomed = os.path.join(parent, f"{TMP_PREFIX}old-{name}{unique_suffix()}")
+    os.rename(path, doomed)
+    _fsync_dir(parent)
+    thread = threading.Thread(target=shutil.rmtree, args=(doomed, True), name=f"tpflash-delete:{name}", daemon=True)
+    thread.start()
+    _deletions.append(thread)
+
+
+def wait_for_deletions() -> None:
+    """Block until every directory given to delete_later is gone."""
+    while _deletions:
+        _deletions.pop().join()
 
 
 def next_step(root: str) -> int:

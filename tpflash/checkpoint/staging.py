@@ -14,6 +14,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from .directory import directory_bytes
 from .layout import Chunk
 
 _groups: Dict[int, tuple] = {}  # id(default group) -> (default group, its gloo twin)
@@ -97,6 +98,7 @@ class PendingSave(str):
         obj = super().__new__(cls, path)
         obj._thread, obj._error = None, None
         obj.seconds = None  # how long the background write and commit took, once done
+        obj.bytes = None  # the committed checkpoint's size, taken as it commits (a later save may prune it)
         return obj
 
     def start(self, work: Callable[[], object]) -> None:
@@ -107,6 +109,8 @@ class PendingSave(str):
             except BaseException as e:  # noqa: BLE001 - handed to wait()
                 self._error = e
             self.seconds = time.perf_counter() - started
+            if self._error is None:
+                self.bytes = directory_bytes(str(self))
 
         self._thread = threading.Thread(target=run, name=f"tpflash-save:{self}", daemon=False)
         self._thread.start()

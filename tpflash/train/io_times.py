@@ -12,27 +12,15 @@ its parts: `state_s` (building the state dict), `staging_s` (async: the copy to 
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Tuple
 
+from ..checkpoint.directory import directory_bytes
 from ..checkpoint.staging import PendingSave
 
 
-def directory_bytes(path: str) -> int:
-    """The bytes of every file under `path` (0 if it does not exist)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:  # removed meanwhile (an older checkpoint pruned)
-                pass
-    return total
-
-
-def rate_record(key: str, seconds: float, path: str) -> Dict[str, float]:
-    """{key: seconds, "GB": size of `path`, "GB_per_s"}."""
-    gb = directory_bytes(path) / 1e9
+def rate_record(key: str, seconds: float, path: str, nbytes: Optional[int] = None) -> Dict[str, float]:
+    """{key: seconds, "GB": `nbytes` (default: the size of `path` now), "GB_per_s"}."""
+    gb = (directory_bytes(path) if nbytes is None else nbytes) / 1e9
     return {key: round(seconds, 3), "GB": gb, "GB_per_s": gb / max(seconds, 1e-9)}
 
 
@@ -72,5 +60,5 @@ class SaveTimes:
             return []
         step, pending, times = self.background
         self.background = None
-        return [(step, {**rate_record("write_s", pending.seconds, pending),
+        return [(step, {**rate_record("write_s", pending.seconds, pending, pending.bytes),
                         **_parts(times, ("write", "checksums", "commit"))})]

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel
+from ..checkpoint import directory
 from ..kernels.fp8 import check_fp8_device
 from . import build, packing, resume_config, watchdog
 from .io_times import SaveTimes, rate_record
@@ -421,9 +422,11 @@ class Trainer:
         """The end of a run, before the process groups are destroyed: wait for the device's queued work
         (zero1's parameter gathers run on a side stream; not after an error, when a kernel may wait on a
         peer that never comes) and destroy the CUDA graphs, whose captured NCCL kernels hold the groups'
-        communicators."""
-        if wait_for_device and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        communicators. After a clean end, also wait for pruned checkpoints' deletions."""
+        if wait_for_device:
+            directory.wait_for_deletions()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         release = getattr(self.model, "release_cuda_graphs", None)
         if release is not None:
             release()
