@@ -24,15 +24,25 @@ from .blob import UnsafeCheckpointError, from_blob, to_blob
 from .directory import latest
 from .extras import (CONFIG_FILE, META_KEY, RNG_PREFIX, meta_for_save, model_config, restore_extras, rng_state,
                      set_rng_state, split_meta_keys)
-from .layout import MODEL_PREFIX, model_slots
+from .layout import MODEL_PREFIX, Chunk, model_slots
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
 from .staging import HostStaging, PendingSave, async_group
 
 __all__ = ["save", "load", "latest", "wait_pending"]
 
-# each rank writes its tensors into this many files at once (and integrity hashes them side by side):
-# one writer thread per rank leaves a fast disk idle while it serialises
+# Each rank writes host-memory state (an async save's staged copy) into this many files at once: one
+# writer thread leaves a fast disk idle while it serialises. State still on the GPU goes through one
+# thread, where DCP overlaps the device-to-host copies with the writing (its threaded writers copy
+# each tensor synchronously): docs/performance.md, "Checkpoints of a large model".
 WRITER_THREADS = 4
+
+
+def writer_threads(state: dict) -> int:
+    """DCP writer threads for `state`: 1 if any tensor in it is on a CUDA device, else WRITER_THREADS."""
+    def on_cuda(value) -> bool:
+        tensor = value.piece if isinstance(value, Chunk) else value
+        return torch.is_tensor(tensor) and tensor.is_cuda
+    return 1 if any(on_cuda(v) for v in state.values()) else WRITER_THREADS
 
 _pending: Dict[str, PendingSave] = {}  # background saves per root (abspath), so save/load can wait on them
 
@@ -126,18 +136,20 @@ def _timed(times: Optional[Dict[str, float]], part: str) -> Iterator[None]:
 def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Optional[dict], group,
                       times: Optional[Dict[str, float]] = None) -> str:
     """Write `state` to a unique root/.tmp-step_N-*, checksum it, rename it to root/step_N, update `latest`.
-    `times` receives the seconds of "write" (DCP: planning, device-to-host copies, files written and
-    fsync'd), "checksums" (each rank hashing its files, then one gather) and "commit" (rank 0)."""
+    `times` receives the seconds of "write" (DCP: planning, device-to-host copies, files written, hashed
+    and fsync'd), "checksums" (each rank's hashes, any file not hashed while written read back, then one
+    gather) and "commit" (rank 0)."""
     rank = _rank_world(group)[0]
     made = []
     _on_rank0(lambda: made.append(directory.prepare_tmp(root, step)), group)
     tmp = _broadcast(made[0] if made else None, group)  # its name is rank 0's (host, pid, random)
     with _timed(times, "write"):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITER_THREADS),
-                 planner=ChunkSavePlanner(), process_group=group, no_dist=_no_dist())
+        writer = dcp.FileSystemWriter(tmp, thread_count=writer_threads(state))
+        writer.fs = integrity.HashingFileSystem()  # each file hashed as it is written: no second read
+        dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group, no_dist=_no_dist())
     with _timed(times, "checksums"):
         try:
-            mine = integrity.hash_files(tmp, integrity.own_files(tmp, rank))
+            mine = integrity.hash_files(tmp, integrity.own_files(tmp, rank), known=writer.fs.digests)
         except OSError as e:  # reported through rank 0, so no rank waits for a peer that gave up
             mine = f"rank {rank} could not checksum its files: {e}"
         gathered = _all_gather(mine, group)

@@ -1,8 +1,8 @@
 """Per-file checksums: `manifest.json` lists every file of a checkpoint with its size and sha256.
 
-Save: each rank hashes the files it wrote (`__<rank>_*.distcp`), rank 0 gathers those, hashes
-the rest (DCP's `.metadata`, ...), checks that DCP's metadata only points into listed files,
-and writes the manifest last. Load: every rank checks that each listed file exists with its
+Save: each rank hashes the files it wrote (`__<rank>_*.distcp`) as DCP writes them (HashingFileSystem:
+no second read), rank 0 gathers those, hashes the rest (DCP's `.metadata`, ...), checks that DCP's
+metadata only points into listed files, and writes the manifest last. Load: every rank checks that each listed file exists with its
 size and hashes its share of the files (file i on rank i % world); one all_gather of the
 problems found makes every rank raise the same `CheckpointCorruptError`, naming the file,
 instead of some ranks hanging in a collective the others never reach.
@@ -12,8 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional
+
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from .directory import MANIFEST
 
@@ -43,11 +47,64 @@ def _sha256_all(paths: List[str]) -> List[str]:
         return list(pool.map(file_sha256, paths))
 
 
-def hash_files(directory: str, names: List[str]) -> FileHashes:
-    """{name: {"bytes", "sha256"}} of the named files in `directory`."""
+def hash_files(directory: str, names: List[str], known: Optional[Dict[str, str]] = None) -> FileHashes:
+    """{name: {"bytes", "sha256"}} of the named files in `directory`; `known` (name -> sha256, e.g.
+    HashingFileSystem.digests) spares reading those files again."""
+    known = known or {}
     paths = [os.path.join(directory, n) for n in names]
-    return {n: {"bytes": os.path.getsize(p), "sha256": digest}
-            for n, p, digest in zip(names, paths, _sha256_all(paths))}
+    unknown = [p for n, p in zip(names, paths) if n not in known]
+    read = dict(zip(unknown, _sha256_all(unknown)))
+    return {n: {"bytes": os.path.getsize(p), "sha256": known[n] if n in known else read[p]}
+            for n, p in zip(names, paths)}
+
+
+class _HashingWriter:
+    """A binary file being written, hashing every byte on its way in. Any seek makes the digest unusable
+    (None): the hash then comes from reading the file back."""
+
+    def __init__(self, raw):
+        self.raw, self._sha, self._appended_only = raw, hashlib.sha256(), True
+
+    def write(self, data) -> int:
+        written = self.raw.write(data)
+        view = memoryview(data).cast("B")
+        if written is not None and written != view.nbytes:  # a short write: what reached the file is unknown
+            self._appended_only = False
+        self._sha.update(view)  # hashlib releases the GIL on large buffers
+        return written
+
+    def seek(self, *args) -> int:
+        self._appended_only = False
+        return self.raw.seek(*args)
+
+    def hexdigest(self) -> Optional[str]:
+        return self._sha.hexdigest() if self._appended_only else None
+
+    def __getattr__(self, name):  # tell, flush, fileno, close, ...: the file's own
+        return getattr(self.raw, name)
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local FileSystem (give it to a FileSystemWriter as `.fs`) that hashes each file it writes
+    while writing it: `digests` maps file name -> sha256 for every file written front to back."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests: Dict[str, str] = {}
+        self._lock = threading.Lock()  # DCP's writer threads each write their own files
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator:
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode or "+" in mode:
+                yield raw
+                return
+            stream = _HashingWriter(raw)
+            yield stream
+        digest = stream.hexdigest()
+        if digest is not None:
+            with self._lock:
+                self.digests[os.path.basename(os.fspath(path))] = digest
 
 
 def own_files(directory: str, rank: int) -> List[str]:
