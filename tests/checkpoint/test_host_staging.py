@@ -36,6 +36,25 @@ def test_a_second_save_reuses_the_buffers_and_a_new_shape_gets_a_new_one():
     assert third["w"].data_ptr() != first["w"].piece.data_ptr() and third["w"].shape == (5,)
 
 
+def test_buffers_reserved_ahead_are_the_ones_the_first_stage_copies_into():
+    staging = HostStaging()
+    state, weight = _state()
+    staging.reserve(state)
+    staging._wait_for_buffers()
+    reserved = staging._buffers["w"].data_ptr()
+    staged = staging.stage(state)
+    assert staged["w"].piece.data_ptr() == reserved
+    assert torch.equal(staged["w"].piece, weight.t()[1:3])
+
+
+@pytest.mark.gpu
+def test_on_cuda_reserved_buffers_are_pinned():
+    staging = HostStaging()
+    staging.reserve(_state("cuda")[0])
+    staged = staging.stage(_state("cuda")[0])
+    assert staged["w"].piece.is_pinned()
+
+
 def test_staging_waits_until_the_previous_write_from_the_buffers_has_finished():
     staging = HostStaging()
     staging.stage(_state()[0])

@@ -9,7 +9,7 @@
 unsharded file offline; `python -m tpflash.checkpoint export-hf DIR OUT_DIR` a Hugging Face model
 directory, one tensor at a time (`tpflash.checkpoint.export_hf.export_hf`). See docs/checkpoints.md.
 """
-from .api import load, save, wait_pending
+from .api import load, reserve_staging, save, wait_pending
 from .directory import latest
 from .blob import UnsafeCheckpointError
 from .integrity import CheckpointCorruptError
@@ -19,4 +19,5 @@ from .resume import CheckpointDirMismatchError, claim, resume_point
 from .staging import HostStaging, PendingSave
 
 __all__ = ["CheckpointCorruptError", "CheckpointDirMismatchError", "CheckpointLockedError", "HostStaging",
-           "PendingSave", "UnsafeCheckpointError", "claim", "latest", "load", "load_model", "resume_point", "save", "wait_pending"]
+           "PendingSave", "UnsafeCheckpointError", "claim", "latest", "load", "load_model", "reserve_staging", "resume_point",
+           "save", "wait_pending"]

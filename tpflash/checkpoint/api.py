@@ -28,7 +28,7 @@ from .layout import MODEL_PREFIX, Chunk, model_slots
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
 from .staging import HostStaging, PendingSave, async_group
 
-__all__ = ["save", "load", "latest", "wait_pending"]
+__all__ = ["save", "load", "latest", "wait_pending", "reserve_staging"]
 
 # Each rank writes host-memory state (an async save's staged copy) into this many files at once: one
 # writer thread leaves a fast disk idle while it serialises. State still on the GPU goes through one
@@ -176,6 +176,13 @@ def _agreed_step(root: str, step: Optional[int]) -> int:
     if _rank_world()[1] > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def reserve_staging(staging: HostStaging, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Start allocating `staging`'s host buffers for the state an async save of (model, optimizer) copies,
+    in a background thread, so that the first async save only copies (HostStaging.reserve). Call on
+    every rank (the state dict is collective under FSDP), once the optimizer has its state."""
+    staging.reserve(_state_for_save(model, optimizer, 0, {}))
 
 
 def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,

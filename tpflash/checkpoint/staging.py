@@ -31,32 +31,64 @@ def async_group() -> Optional[dist.ProcessGroup]:
     return cached[1]
 
 
-def _page_locked_empty(like: torch.Tensor) -> torch.Tensor:
-    """An empty host tensor shaped like `like`, registered with CUDA as page-locked for its lifetime.
-    Registered rather than taken from torch's pinned allocator, which rounds every block up to a
-    power of two (up to twice the state's size in host memory)."""
-    buffer = torch.empty(like.shape, dtype=like.dtype)
+def _page_locked_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor, registered with CUDA as page-locked for its lifetime. Registered rather
+    than taken from torch's pinned allocator, which rounds every block up to a power of two (up to
+    twice the state's size in host memory)."""
+    buffer = torch.empty(shape, dtype=dtype)
     size = buffer.numel() * buffer.element_size()
     if size and int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0)) == 0:
         weakref.finalize(buffer, torch.cuda.cudart().cudaHostUnregister, buffer.data_ptr())
     return buffer  # unregistered where that failed: its copies are pageable, and correct
 
 
+def _tensors(state: dict):
+    """(key, tensor) of every tensor in a save's state dict, a chunk's piece for a Chunk."""
+    for key, value in state.items():
+        tensor = value.piece if isinstance(value, Chunk) else value
+        if torch.is_tensor(tensor):
+            yield key, tensor.detach()
+
+
 class HostStaging:
     """The host buffers an async save copies the state into before it returns, kept from one save to
     the next. `pinned` (the trainer's choice on CUDA): page-locked buffers, which take the device's
     tensors at the link's speed with one wait for all of them, instead of a pageable copy per tensor;
-    allocated on the first save (slow, once), they hold one rank's state in host memory for as long
-    as this object lives. Pass the same one to every async save of a run (`checkpoint.save(...,
-    staging=)`); a save waits until the previous write from these buffers has finished."""
+    allocated on the first save, or ahead of it by `reserve` (page-locking tens of GB takes tens of
+    seconds), they hold one rank's state in host memory for as long as this object lives. Pass the
+    same one to every async save of a run (`checkpoint.save(..., staging=)`); a save waits until the
+    previous write from these buffers has finished."""
 
     def __init__(self, pinned: bool = True):
         self.pinned = pinned and torch.cuda.is_available()
         self._buffers: Dict[str, torch.Tensor] = {}  # state key -> its host buffer
         self._reader: Optional["PendingSave"] = None  # the background write still reading them
+        self._reserving: Optional[threading.Thread] = None  # allocating buffers ahead of the first stage()
+
+    def reserve(self, state: dict) -> None:
+        """Start allocating, in a background thread, the buffers that staging a state shaped like `state`
+        needs (its tensors are not read), so that the first stage() only copies."""
+        self._wait_for_buffers()
+        wanted = [(key, t.shape, t.dtype, t.is_cuda) for key, t in _tensors(state) if key not in self._buffers]
+        self._reserving = threading.Thread(target=self._allocate, args=(wanted,), daemon=True,
+                                           name="tpflash-staging-reserve")
+        self._reserving.start()
+
+    def _allocate(self, wanted) -> None:
+        for key, shape, dtype, is_cuda in wanted:
+            self._buffers[key] = self._empty(shape, dtype, is_cuda)
+
+    def _empty(self, shape: torch.Size, dtype: torch.dtype, for_cuda: bool) -> torch.Tensor:
+        return _page_locked_empty(shape, dtype) if self.pinned and for_cuda else torch.empty(shape, dtype=dtype)
+
+    def _wait_for_buffers(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def stage(self, state: dict) -> dict:
         """A copy of `state` whose tensors (and chunks' pieces) are these host buffers."""
+        self._wait_for_buffers()
         if self._reader is not None:
             self._reader.wait()
             self._reader = None
@@ -81,9 +113,7 @@ class HostStaging:
         source = source.detach()
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = _page_locked_empty(source) if self.pinned and source.is_cuda else torch.empty(
-                source.shape, dtype=source.dtype)
-            self._buffers[key] = buffer
+            buffer = self._buffers[key] = self._empty(source.shape, source.dtype, source.is_cuda)
         queued = source.is_cuda and buffer.is_pinned()
         buffer.copy_(source, non_blocking=queued)
         if queued:

@@ -467,6 +467,9 @@ class Trainer:
                 meter.add(self.plan.batch_size * self.seq_len)
                 losses.append(result["loss"])
                 self.fault.after_step(self.step)
+                if self.step == first_step + 1 and self.host_staging is not None and cfg.checkpoint.interval > 0:
+                    from .. import checkpoint  # the optimizer has its state now: page-lock the buffers meanwhile
+                    checkpoint.reserve_staging(self.host_staging, self.model, self.optimizer)
                 if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                     self.watch.enter("log")
                     self.check_finite()
