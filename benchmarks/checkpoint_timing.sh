@@ -5,7 +5,7 @@
 # disk:  dd, DISK_GB (8) GB with direct I/O: one writer, NPROC writers side by side (as the ranks write), one reader.
 # save:  the trainer, sharded dp=NPROC (fsdp=on), 3 steps, then its synchronous save of model + AdamW state.
 # load:  the same checkpoint resumed at tp=2 x dp=NPROC/2 (fsdp=zero1), then the Hugging Face export.
-# async: sharded dp=NPROC, 200 steps, an async save at step 100, the final one synchronous (room for two
+# async: sharded dp=NPROC, 300 steps, an async save at step 150, the final one synchronous (room for two
 #        checkpoints on CKPT's disk): the staging time, and the steps' time while the save is written.
 # dcp:   the peer: PyTorch DCP's own dcp.save and dcp.async_save of the same model and AdamW state at
 #        sharded dp=NPROC (benchmarks/checkpoint_dcp_peer.py, as torchtitan saves).
@@ -56,7 +56,7 @@ load() {
 
 async() {
   rm -rf "$CKPT/ck"
-  timeout 560 $RUN "${TRAIN[@]}" --tp=1 --fsdp=on --train.batch_size=$((2 * NPROC)) --train.steps=200 --checkpoint.interval=100 \
+  timeout 560 $RUN "${TRAIN[@]}" --tp=1 --fsdp=on --train.batch_size=$((2 * NPROC)) --train.steps=300 --checkpoint.interval=150 \
     --checkpoint.async_save=true --checkpoint.keep=1 --log.dir="$OUT/async" 2>&1 | show async
   rm -rf "$CKPT/ck"
 }
