@@ -12,6 +12,8 @@ import torch
 import tpflash
 from tests.checkpoint.tiny_model import TinyLM, build, full_state, make_optimizer, train
 from tpflash.checkpoint import directory, integrity
+from tpflash.checkpoint.api import WRITER_THREADS, writer_threads
+from tpflash.checkpoint.layout import Chunk
 
 
 @pytest.fixture(autouse=True)
@@ -198,3 +200,14 @@ def test_the_hashing_file_system_hashes_what_was_appended_and_gives_up_after_a_s
         f.seek(0)
         f.write(b"b")
     assert fs.digests == {"appended": integrity.file_sha256(str(tmp_path / "appended"))}
+
+
+def test_host_state_is_written_by_several_threads():
+    state = {"w": Chunk(torch.zeros(4, 4), (0, 0), torch.Size((8, 4))), "meta": b"x"}
+    assert writer_threads(state) == WRITER_THREADS > 1
+
+
+@pytest.mark.gpu
+def test_state_on_the_gpu_is_written_by_one_thread_whose_copies_overlap_the_writing():
+    state = {"w": Chunk(torch.zeros(4, 4, device="cuda"), (0, 0), torch.Size((8, 4))), "b": torch.zeros(2)}
+    assert writer_threads(state) == 1

@@ -44,6 +44,7 @@ def writer_threads(state: dict) -> int:
         return torch.is_tensor(tensor) and tensor.is_cuda
     return 1 if any(on_cuda(v) for v in state.values()) else WRITER_THREADS
 
+
 _pending: Dict[str, PendingSave] = {}  # background saves per root (abspath), so save/load can wait on them
 
 

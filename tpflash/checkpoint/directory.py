@@ -215,7 +215,7 @@ def delete_later(path: str) -> None:
     _fsync_dir(parent)
     thread = threading.Thread(target=shutil.rmtree, args=(doomed, True), name=f"tpflash-delete:{name}", daemon=True)
     thread.start()
-    _deletions.append(thread)
+    _deletions[:] = [t for t in _deletions if t.is_alive()] + [thread]
 
 
 def wait_for_deletions() -> None:

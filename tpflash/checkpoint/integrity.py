@@ -1,11 +1,12 @@
 """Per-file checksums: `manifest.json` lists every file of a checkpoint with its size and sha256.
 
-Save: each rank hashes the files it wrote (`__<rank>_*.distcp`) as DCP writes them (HashingFileSystem:
-no second read), rank 0 gathers those, hashes the rest (DCP's `.metadata`, ...), checks that DCP's
-metadata only points into listed files, and writes the manifest last. Load: every rank checks that each listed file exists with its
-size and hashes its share of the files (file i on rank i % world); one all_gather of the
-problems found makes every rank raise the same `CheckpointCorruptError`, naming the file,
-instead of some ranks hanging in a collective the others never reach.
+Save: each rank hashes the files it writes (`__<rank>_*.distcp`) as DCP writes them
+(HashingFileSystem: no second read), rank 0 gathers those, hashes the rest (DCP's `.metadata`, ...),
+checks that DCP's metadata only points into listed files, and writes the manifest last. Load: every
+rank checks that each listed file exists with its size and hashes its share of the files (file i on
+rank i % world); one all_gather of the problems found makes every rank raise the same
+`CheckpointCorruptError`, naming the file, instead of some ranks hanging in a collective the others
+never reach.
 """
 from __future__ import annotations
 
