@@ -18,7 +18,7 @@ def losses_body(cfg, steps):
     start = trainer.step
     losses = [trainer._dp_mean(trainer.train_step()["loss"]) for _ in range(steps)]
     trainer.save()
-    return start, losses, trainer.checkpoint_warnings
+    return start, losses, trainer.checkpoints.warnings
 
 
 def error_body(cfg):

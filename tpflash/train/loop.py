@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import time
 from typing import Dict, Optional
 
 import numpy as np
@@ -20,9 +18,9 @@ from .. import parallel
 from ..checkpoint import directory
 from ..kernels.fp8 import check_fp8_device
 from . import build, packing, resume_config, watchdog
-from .io_times import SaveTimes, rate_record
 from .fingerprint import job_fingerprint
-from .config import TrainConfig, check_values, to_yaml
+from .config import TrainConfig, check_values
+from .run_checkpoints import RunCheckpoints
 from .data import (check_token_ids, load_tokens, make_tokenizer, token_format, token_source, split_train_eval,
                    unigram_entropy)
 from .faults import Fault, StopSignal
@@ -54,8 +52,7 @@ class Trainer:
         self.trace_prefix = watchdog.flight_recorder_setup(cfg.log.dir, torch.cuda.is_available())  # before NCCL exists
         self.ps = parallel.init(tp=cfg.tp, dp=dp, agree=fingerprint, cp=cfg.cp,  # every rank runs this same job, or all raise
                                 timeout_s=watchdog.group_timeout(cfg.dist.long, cfg.dist.timeout))
-        self.checkpoint_warnings = []  # fallbacks past damaged steps, lock takeovers (also printed by rank 0)
-        self.dir_lock = self._claim_checkpoint_dir()  # one job per checkpoint.dir: every rank raises if it is taken
+        self.checkpoints = RunCheckpoints(cfg)  # one job per checkpoint.dir: every rank raises if it is taken
         self.device = self.ps.device
         self.is_main = dist.get_rank() == 0
         self.amp_dtype = build.autocast_dtype(cfg, self.device)
@@ -66,15 +63,11 @@ class Trainer:
         decay = t.decay_steps or max(0, t.steps - t.warmup_steps)
         self.schedule = WarmupCosine(self.optimizer, t.lr, t.min_lr, t.warmup_steps, decay)
         self.sampler = GlobalSampler(len(self.train_data), cfg.seed)
-        self.step, self._saved_step = 0, -1
-        self.save_times = SaveTimes()  # records of the saves not logged yet go to run()'s writer
-        from ..checkpoint import HostStaging
-        self.host_staging = HostStaging() if cfg.checkpoint.async_save else None  # pinned, reused by every async save
-        self.io_records = []  # (step, record) of loads, saves and exports, for run() to log
+        self.step = 0
         self.fault = Fault(dist.get_rank(), dist.get_world_size())
         # a rank that waits too long for the others fails the job naming who did not arrive (watching in run())
         self.watch = watchdog.HangWatch(cfg.dist.timeout, cfg.dist.long, watchdog.trainer_groups(self.ps),
-                                        self.trace_prefix, on_exit=[self.release_checkpoint_dir])
+                                        self.trace_prefix, on_exit=[self.checkpoints.release])
         # the first step whose gradient norm was not finite (-1: none): kept on the device, so that no
         # step waits for the GPU; read where the loop syncs anyway (log steps) and before every save
         self._first_nonfinite = torch.full((), -1, dtype=torch.int64, device=self.device)
@@ -165,61 +158,23 @@ class Trainer:
         if self.init_from:
             self.model.to_empty(device=self.device)
             self.sharded_ids = tp_sharded_param_ids(self.model)  # to_empty may have swapped the parameters
-            if not self._checkpoint_to_resume():  # a resumed run has trained past these weights; load fills all
+            if not self.checkpoints.resume_point():  # a resumed run has trained past these weights; load fills all
                 pretrained.load_pretrained_weights(self.model, self.init_from, hf_files)
         # zero1: the parameters move into flat buffers (same Parameter objects) before the optimizer,
         # the checkpoint load (in place) and the graph capture (which keeps their addresses)
         self.zero = parallel.ShardedOptimizerState(self.model, self.ps) if self.dp_mode == "zero1" else None
 
     # ---------------------------------------------------------------- checkpoints
-    def _checkpoint_warning(self, message: str) -> None:
-        self.checkpoint_warnings.append(message)
-        if dist.get_rank() == 0:
-            print(f"warning: {message}", file=sys.stderr, flush=True)
-
-    def _claim_checkpoint_dir(self):
-        """The lock of checkpoint.dir on rank 0 (None elsewhere or without a dir); collective
-        (tpflash.checkpoint.claim): a directory another live job holds is refused on every rank."""
-        if not self.cfg.checkpoint.dir:
-            return None
-        from .. import checkpoint
-        return checkpoint.claim(self.cfg.checkpoint.dir, warn=self._checkpoint_warning)
-
-    def release_checkpoint_dir(self) -> None:
-        """Give checkpoint.dir's lock back (run() does at its end, error or not; also done at exit)."""
-        if self.dir_lock is not None:
-            self.dir_lock.release()
-            self.dir_lock = None
-
-    def _checkpoint_to_resume(self) -> Optional[str]:
-        """The step directory to resume from, or None: agreed by every rank and verified, newest first,
-        past damaged steps (checkpoint.on_corrupt). Collective on the first call, cached after."""
-        ck = self.cfg.checkpoint
-        if not (ck.dir and ck.resume):
-            return None
-        if not hasattr(self, "_resume_path"):
-            from .. import checkpoint
-            try:
-                self._resume_path = checkpoint.resume_point(ck.dir, ck.on_corrupt, warn=self._checkpoint_warning)
-            except BaseException:
-                self.release_checkpoint_dir()  # this job will not run: the directory is free for the next
-                raise
-        return self._resume_path
-
     def _resume(self) -> Optional[Dict]:
-        path = self._checkpoint_to_resume()
+        path = self.checkpoints.resume_point()
         if path is None:
             return None
-        from .. import checkpoint
         configured = build.optimizer_settings(self.optimizer)  # the config's; the checkpoint gives moments and step
         owned = self.zero.owned_names if self.zero is not None else None  # zero1: only this rank's state
-        started = time.perf_counter()
-        info = checkpoint.load(path, self.model, self.optimizer, optimizer_state_of=owned, scheduler=self.schedule,
-                               data=self.sampler)
-        if self.is_main:
-            self.io_records.append((int(info["step"]), rate_record("load_s", time.perf_counter() - started, path)))
+        info = self.checkpoints.load(path, self.model, self.optimizer, optimizer_state_of=owned,
+                                     scheduler=self.schedule, data=self.sampler)
         self.changed_settings = build.restore_optimizer_settings(self.optimizer, configured)
-        self.step = self._saved_step = int(info["step"])
+        self.step = int(info["step"])
         if self.schedule.step_count != self.step:
             raise ValueError(f"checkpoint step {self.step} disagrees with its scheduler step {self.schedule.step_count}")
         return info
@@ -230,7 +185,8 @@ class Trainer:
         first = int(self._first_nonfinite.item())
         if first < 0:
             return
-        last = (f"the newest checkpoint is step {self._saved_step}" if self._saved_step >= 0
+        saved = self.checkpoints.saved_step
+        last = (f"the newest checkpoint is step {saved}" if saved >= 0
                 else "no checkpoint was written")
         raise FloatingPointError(
             f"the gradient norm was not finite at step {first} (now step {self.step}): training diverged or its "
@@ -241,45 +197,23 @@ class Trainer:
         """Write a checkpoint of the current step (collective: every rank calls it). With
         checkpoint.async_save a non-final save returns once its tensors are staged in host memory.
         A state reached through a non-finite gradient is never saved (check_finite raises)."""
-        ck = self.cfg.checkpoint
-        if not ck.dir or self._saved_step == self.step:
+        if not self.cfg.checkpoint.dir or self.checkpoints.saved_step == self.step:
             return
         self.watch.enter("save")
         self.check_finite()
         self._parameters_ready()
-        from .. import checkpoint
-        started, parts = time.perf_counter(), {}
-        with self.fault.around_save(self.step, ck.dir):
-            path = checkpoint.save(ck.dir, self.model, self.optimizer, step=self.step, keep=ck.keep,
-                                   async_save=ck.async_save and not final, staging=self.host_staging,
-                                   times=parts, scheduler=self.schedule,
-                                   data=self.sampler, saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
-            if final:
-                checkpoint.wait_pending(ck.dir)
-                self.release_checkpoint_dir()  # the job's last write to the directory: free it for the next job
-        if self.is_main:
-            self.io_records += self.save_times.saved(self.step, path, time.perf_counter() - started, parts)
-        self._saved_step = self.step
-        if self.is_main:
-            os.makedirs(ck.dir, exist_ok=True)  # an async save may not have made it yet
-            with open(os.path.join(ck.dir, "config.yaml"), "w") as f:
-                f.write(to_yaml(self.cfg))
+        self.checkpoints.save(self.step, self.model, self.optimizer, final, self.fault, scheduler=self.schedule,
+                              data=self.sampler, saved_tp=self.ps.tp_size, saved_dp=self.ps.dp_size)
 
     def export_hf(self) -> Optional[str]:
         """Write the model as a Hugging Face directory to checkpoint.export_hf (collective; tokenizer files
         from init_from when set). Returns the directory, or None when export_hf is not set."""
-        out = self.cfg.checkpoint.export_hf
-        if not out:
+        if not self.cfg.checkpoint.export_hf:
             return None
         self.watch.enter("export")
         self.check_finite()
         self._parameters_ready()
-        from ..models import save_pretrained
-        started = time.perf_counter()
-        path = save_pretrained(self.model, out, tokenizer_from=self.init_from)
-        if self.is_main:
-            self.io_records.append((self.step, rate_record("export_s", time.perf_counter() - started, out)))
-        return path
+        return self.checkpoints.export_hf(self.step, self.model, self.init_from)
 
     # ---------------------------------------------------------------- steps
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -434,11 +368,8 @@ class Trainer:
     def _log_io(self, out: MetricsWriter) -> None:
         """Log the load, save and export records gathered so far (rank 0), background writes that
         have committed since included."""
-        if self.is_main:
-            self.io_records += self.save_times.finished()
-        for step, record in self.io_records:
+        for step, record in self.checkpoints.take_records():
             out.log(step, record, kind="checkpoint")
-        self.io_records = []
 
     def _is_every(self, interval: int) -> bool:
         return interval > 0 and self.step % interval == 0 and self.step < self.cfg.train.steps
@@ -467,9 +398,8 @@ class Trainer:
                 meter.add(self.plan.batch_size * self.seq_len)
                 losses.append(result["loss"])
                 self.fault.after_step(self.step)
-                if self.step == first_step + 1 and self.host_staging is not None and cfg.checkpoint.interval > 0:
-                    from .. import checkpoint  # the optimizer has its state now: page-lock the buffers meanwhile
-                    checkpoint.reserve_staging(self.host_staging, self.model, self.optimizer)
+                if self.step == first_step + 1:  # the optimizer has its state now: page-lock async buffers meanwhile
+                    self.checkpoints.reserve_staging(self.model, self.optimizer)
                 if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                     self.watch.enter("log")
                     self.check_finite()
@@ -490,7 +420,7 @@ class Trainer:
                     with meter.paused(self.device):
                         self.save()
                     self._log_io(out)
-                    finish(out, cfg, meter, first_step, self.step, self._saved_step, last, self.device)
+                    finish(out, cfg, meter, first_step, self.step, self.checkpoints.saved_step, last, self.device)
                     return last
                 if self._is_every(cfg.checkpoint.interval):
                     with meter.paused(self.device):
@@ -504,14 +434,14 @@ class Trainer:
                 self.save()
                 self.export_hf()
             self._log_io(out)
-            finish(out, cfg, meter, first_step, self.step, self._saved_step, last, self.device)
+            finish(out, cfg, meter, first_step, self.step, self.checkpoints.saved_step, last, self.device)
             return last
         finally:
             self.watch.close()
             tracer.close()
             stop.restore()
             out.close()
-            self.release_checkpoint_dir()
+            self.checkpoints.release()
 
     @property
     def tokenizer(self):
