@@ -104,3 +104,8 @@ def two_saves_body(root):
 @pytest.mark.cpu_ranks
 def test_two_async_saves_through_one_staging_each_write_the_state_at_their_call(ranks, tmp_path):
     ranks(2).run(two_saves_body, str(tmp_path / "run"))
+
+
+def test_reserving_without_a_staging_is_refused_naming_it():
+    with pytest.raises(TypeError, match="staging=None must be a tpflash.checkpoint.HostStaging"):
+        tpflash.checkpoint.reserve_staging(None, build(seed=0))

@@ -41,3 +41,10 @@ def test_a_destruction_that_hangs_ends_the_process_with_the_given_status_after_t
                           env={**CLEAN_ENV, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 3, done.stderr[-2000:]
     assert done.stdout.count("destroying the process groups did not finish within 1 s") == 1, done.stdout
+
+
+@pytest.mark.parametrize("wait", [0, -5])
+def test_a_wait_that_is_not_positive_is_refused_naming_it(wait):
+    import tpflash
+    with pytest.raises(ValueError, match=rf"exit_after_s={wait} must be a number of seconds > 0"):
+        tpflash.parallel.shutdown(exit_after_s=wait)

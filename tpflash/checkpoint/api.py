@@ -183,6 +183,8 @@ def reserve_staging(staging: HostStaging, model: nn.Module, optimizer: Optional[
     """Start allocating `staging`'s host buffers for the state an async save of (model, optimizer) copies,
     in a background thread, so that the first async save only copies (HostStaging.reserve). Call on
     every rank (the state dict is collective under FSDP), once the optimizer has its state."""
+    if not isinstance(staging, HostStaging):
+        raise TypeError(f"staging={staging!r} must be a tpflash.checkpoint.HostStaging (the one the async saves get)")
     staging.reserve(_state_for_save(model, optimizer, 0, {}))
 
 
