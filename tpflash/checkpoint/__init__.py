@@ -19,5 +19,5 @@ from .resume import CheckpointDirMismatchError, claim, resume_point
 from .staging import HostStaging, PendingSave
 
 __all__ = ["CheckpointCorruptError", "CheckpointDirMismatchError", "CheckpointLockedError", "HostStaging",
-           "PendingSave", "UnsafeCheckpointError", "claim", "latest", "load", "load_model", "reserve_staging", "resume_point",
-           "save", "wait_pending"]
+           "PendingSave", "UnsafeCheckpointError", "claim", "latest", "load", "load_model", "reserve_staging",
+           "resume_point", "save", "wait_pending"]

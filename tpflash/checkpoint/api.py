@@ -198,9 +198,10 @@ def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     memory, then writing and committing continue in a background thread (on a dedicated gloo
     group) and the returned path (a str) has `.wait()`; the next save or load waits for it.
     `staging` (async only): the tpflash.checkpoint.HostStaging whose buffers the state is copied into
-    (one per run: pinned and reused; default a one-off pageable copy). `times` (a dict), if given, receives this rank's seconds per part of the save: "state" (the state
-    dict, collective under FSDP), "staging" (async: the copy to host memory), "write", "checksums" and
-    "commit" (see _write_and_commit; for an async save, filled in by the background thread).
+    (one per run: pinned and reused; default a one-off pageable copy). `times` (a dict), if given,
+    receives this rank's seconds per part of the save: "state" (the state dict, collective under
+    FSDP), "staging" (async: the copy to host memory), "write", "checksums" and "commit" (see
+    _write_and_commit; for an async save, filled in by the background thread).
     """
     root = os.fspath(root)
     if step is not None and (not isinstance(step, int) or step < 0):

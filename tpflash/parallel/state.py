@@ -122,7 +122,8 @@ def shutdown(exit_after_s: Optional[float] = None, exit_status: int = 0) -> None
     import gc
     import threading
     if exit_after_s is not None and not exit_after_s > 0:
-        raise ValueError(f"exit_after_s={exit_after_s!r} must be a number of seconds > 0 (or None: wait as long as it takes)")
+        raise ValueError(f"exit_after_s={exit_after_s!r} must be a number of seconds > 0 "
+                         "(or None: wait as long as it takes)")
     gc.collect()  # first what the caller dropped
     if dist.is_initialized():
         guard = None
