@@ -18,6 +18,7 @@ def losses_body(cfg, steps):
     start = trainer.step
     losses = [trainer._dp_mean(trainer.train_step()["loss"]) for _ in range(steps)]
     trainer.save()
+    trainer.close()  # waits for the pruned steps' background deletions
     return start, losses, trainer.checkpoints.warnings
 
 
