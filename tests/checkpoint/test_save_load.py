@@ -177,31 +177,6 @@ def test_bad_arguments_raise_value_error(tmp_path):
 
 
 
-def test_a_save_hashes_its_shard_files_while_writing_them_and_the_manifest_matches_the_bytes(tmp_path, monkeypatch):
-    model, optimizer = _trained(0)
-    read_back, real_sha256 = [], integrity.file_sha256
-    monkeypatch.setattr(integrity, "file_sha256", lambda p: (read_back.append(os.path.basename(p)), real_sha256(p))[1])
-    path = tpflash.checkpoint.save(tmp_path, model, optimizer, step=1)
-    assert not [n for n in read_back if n.endswith(".distcp")], read_back
-    with open(os.path.join(path, "manifest.json")) as f:
-        files = json.load(f)["files"]
-    assert any(n.endswith(".distcp") for n in files)
-    for name, entry in files.items():
-        assert entry["sha256"] == real_sha256(os.path.join(path, name)), name
-
-
-def test_the_hashing_file_system_hashes_what_was_appended_and_gives_up_after_a_seek(tmp_path):
-    fs = integrity.HashingFileSystem()
-    with fs.create_stream(tmp_path / "appended", "wb") as f:
-        for block in (b"abc" * 1000, bytearray(b"xyz"), memoryview(b"0123456789")):
-            f.write(block)
-    with fs.create_stream(tmp_path / "rewritten", "wb") as f:
-        f.write(b"aaaa")
-        f.seek(0)
-        f.write(b"b")
-    assert fs.digests == {"appended": integrity.file_sha256(str(tmp_path / "appended"))}
-
-
 def test_host_state_is_written_by_several_threads():
     state = {"w": Chunk(torch.zeros(4, 4), (0, 0), torch.Size((8, 4))), "meta": b"x"}
     assert writer_threads(state) == WRITER_THREADS > 1

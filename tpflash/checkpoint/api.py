@@ -146,11 +146,12 @@ def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Opti
     tmp = _broadcast(made[0] if made else None, group)  # its name is rank 0's (host, pid, random)
     with _timed(times, "write"):
         writer = dcp.FileSystemWriter(tmp, thread_count=writer_threads(state))
-        writer.fs = integrity.HashingFileSystem()  # each file hashed as it is written: no second read
-        dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group, no_dist=_no_dist())
+        with integrity.HashingFileSystem() as hashing:  # each file hashed as it is written: no second read
+            writer.fs = hashing
+            dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group, no_dist=_no_dist())
     with _timed(times, "checksums"):
         try:
-            mine = integrity.hash_files(tmp, integrity.own_files(tmp, rank), known=writer.fs.digests)
+            mine = integrity.hash_files(tmp, integrity.own_files(tmp, rank), known=hashing.digests)
         except OSError as e:  # reported through rank 0, so no rank waits for a peer that gave up
             mine = f"rank {rank} could not checksum its files: {e}"
         gathered = _all_gather(mine, group)

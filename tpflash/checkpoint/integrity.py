@@ -1,12 +1,19 @@
-"""Per-file checksums: `manifest.json` lists every file of a checkpoint with its size and sha256.
+"""Checksums: `manifest.json` lists every file of a checkpoint with its size and the sha256 of each of
+its consecutive BLOCK_BYTES pieces.
+
+Blocks rather than one digest per file, because sha256 runs at about 1-2 GB/s on one core: a rank
+that writes its whole share as one file (GPU state, api.writer_threads) would otherwise hash it on
+one thread, at save and again at load. Blocks are hashed by HASH_THREADS threads side by side
+(hashlib releases the GIL).
 
 Save: each rank hashes the files it writes (`__<rank>_*.distcp`) as DCP writes them
-(HashingFileSystem: no second read), rank 0 gathers those, hashes the rest (DCP's `.metadata`, ...),
-checks that DCP's metadata only points into listed files, and writes the manifest last. Load: every
-rank checks that each listed file exists with its size and hashes its share of the files (file i on
-rank i % world); one all_gather of the problems found makes every rank raise the same
-`CheckpointCorruptError`, naming the file, instead of some ranks hanging in a collective the others
-never reach.
+(HashingFileSystem: each full block is copied and handed to the hashing threads; no second read),
+rank 0 gathers those, hashes the rest (DCP's `.metadata`, ...), checks that DCP's metadata only
+points into listed files, and writes the manifest last. Load: every rank checks that each listed
+file exists with its size and hashes its share of all the blocks (block i on rank i % world); one
+all_gather of the problems found makes every rank raise the same `CheckpointCorruptError`, naming
+the file, instead of some ranks hanging in a collective the others never reach. Manifests that
+hold one sha256 per file (`"sha256"`, an earlier format) are still verified.
 """
 from __future__ import annotations
 
@@ -14,17 +21,18 @@ import hashlib
 import json
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from .directory import MANIFEST
 
-FileHashes = Dict[str, Dict[str, object]]  # name -> {"bytes": int, "sha256": str}
-_CHUNK = 1 << 22
-HASH_THREADS = 4  # files hashed side by side (hashlib releases the GIL): a rank writes several (api.WRITER_THREADS)
+FileHashes = Dict[str, Dict[str, object]]  # name -> {"bytes": int, "block_bytes": int, "sha256_blocks": [str]}
+BLOCK_BYTES = 16 << 20  # a 24 GB shard file: 1,500 digests (100 KB of manifest)
+HASH_THREADS = 4  # blocks hashed side by side, per process
+_READ = 1 << 22  # read size of a whole-file digest (earlier manifests)
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -32,54 +40,90 @@ class CheckpointCorruptError(RuntimeError):
 
 
 def file_sha256(path: str) -> str:
-    """The sha256 hex digest of a file, read in chunks."""
+    """The sha256 hex digest of a whole file, read in chunks (manifests of the earlier format)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
+        for block in iter(lambda: f.read(_READ), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
-def _sha256_all(paths: List[str]) -> List[str]:
-    """file_sha256 of each path, HASH_THREADS at a time."""
-    if len(paths) < 2:
-        return [file_sha256(p) for p in paths]
-    with ThreadPoolExecutor(min(HASH_THREADS, len(paths))) as pool:
-        return list(pool.map(file_sha256, paths))
+def _block_sha256(path: str, offset: int, size: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(os.pread(f.fileno(), size, offset)).hexdigest()
 
 
-def hash_files(directory: str, names: List[str], known: Optional[Dict[str, str]] = None) -> FileHashes:
-    """{name: {"bytes", "sha256"}} of the named files in `directory`; `known` (name -> sha256, e.g.
-    HashingFileSystem.digests) spares reading those files again."""
+def _blocks(nbytes: int, block_bytes: int) -> List[Tuple[int, int]]:
+    """(offset, size) of each block of a file of `nbytes` (none for an empty file)."""
+    return [(start, min(block_bytes, nbytes - start)) for start in range(0, nbytes, block_bytes)]
+
+
+def _hash_jobs(jobs: List[Tuple[str, int, int]]) -> List[str]:
+    """The sha256 of each (path, offset, size) block, HASH_THREADS at a time."""
+    if len(jobs) < 2:
+        return [_block_sha256(*job) for job in jobs]
+    with ThreadPoolExecutor(min(HASH_THREADS, len(jobs))) as pool:
+        return list(pool.map(lambda job: _block_sha256(*job), jobs))
+
+
+def hash_files(directory: str, names: List[str], known: Optional[Dict[str, List[str]]] = None,
+               block_bytes: int = BLOCK_BYTES) -> FileHashes:
+    """{name: {"bytes", "block_bytes", "sha256_blocks"}} of the named files in `directory`; `known`
+    (name -> block digests of `block_bytes`, e.g. HashingFileSystem.digests) spares reading those
+    files again."""
     known = known or {}
-    paths = [os.path.join(directory, n) for n in names]
-    unknown = [p for n, p in zip(names, paths) if n not in known]
-    read = dict(zip(unknown, _sha256_all(unknown)))
-    return {n: {"bytes": os.path.getsize(p), "sha256": known[n] if n in known else read[p]}
-            for n, p in zip(names, paths)}
+    sizes = {n: os.path.getsize(os.path.join(directory, n)) for n in names}
+    jobs = [(os.path.join(directory, n), offset, size) for n in names if n not in known
+            for offset, size in _blocks(sizes[n], block_bytes)]
+    digests = iter(_hash_jobs(jobs))
+    out: FileHashes = {}
+    for n in names:
+        blocks = known[n] if n in known else [next(digests) for _ in _blocks(sizes[n], block_bytes)]
+        out[n] = {"bytes": sizes[n], "block_bytes": block_bytes, "sha256_blocks": list(blocks)}
+    return out
 
 
 class _HashingWriter:
-    """A binary file being written, hashing every byte on its way in. Any seek makes the digest unusable
-    (None): the hash then comes from reading the file back."""
+    """A binary file being written, its bytes copied into blocks that `pool` hashes while the writing
+    goes on. Any seek makes the digests unusable (None): the hashes then come from reading the file
+    back. At most `2 * HASH_THREADS` blocks wait for their hash at a time (the writer waits for the
+    oldest beyond that), so memory stays bounded when the disk is faster than the hashing."""
 
-    def __init__(self, raw):
-        self.raw, self._sha, self._appended_only = raw, hashlib.sha256(), True
+    def __init__(self, raw, pool: ThreadPoolExecutor, block_bytes: int):
+        self.raw, self.pool, self.block_bytes = raw, pool, block_bytes
+        self._block, self._hashes, self._appended_only = bytearray(), [], True
+        self._waited = 0  # _hashes[:_waited] are known to be done
 
     def write(self, data) -> int:
         written = self.raw.write(data)
         view = memoryview(data).cast("B")
         if written is not None and written != view.nbytes:  # a short write: what reached the file is unknown
             self._appended_only = False
-        self._sha.update(view)  # hashlib releases the GIL on large buffers
+        while view.nbytes:
+            take = min(self.block_bytes - len(self._block), view.nbytes)
+            self._block += view[:take]  # a copy: DCP may reuse the buffer it wrote from
+            view = view[take:]
+            if len(self._block) == self.block_bytes:
+                self._submit()
         return written
+
+    def _submit(self) -> None:
+        block, self._block = bytes(self._block), bytearray()
+        self._hashes.append(self.pool.submit(lambda b: hashlib.sha256(b).hexdigest(), block))
+        while len(self._hashes) - self._waited > 2 * HASH_THREADS:
+            self._hashes[self._waited].result()
+            self._waited += 1
 
     def seek(self, *args) -> int:
         self._appended_only = False
         return self.raw.seek(*args)
 
-    def hexdigest(self) -> Optional[str]:
-        return self._sha.hexdigest() if self._appended_only else None
+    def digests(self) -> Optional[List[str]]:
+        """The block digests of everything written (call once, after the last write)."""
+        if self._block:
+            self._submit()
+        hashes: List[Future] = self._hashes
+        return [h.result() for h in hashes] if self._appended_only else None
 
     def __getattr__(self, name):  # tell, flush, fileno, close, ...: the file's own
         return getattr(self.raw, name)
@@ -87,12 +131,25 @@ class _HashingWriter:
 
 class HashingFileSystem(FileSystem):
     """DCP's local FileSystem (give it to a FileSystemWriter as `.fs`) that hashes each file it writes
-    while writing it: `digests` maps file name -> sha256 for every file written front to back."""
+    while writing it: `digests` maps file name -> block digests (of `block_bytes`) for every file
+    written front to back. Its HASH_THREADS hashing threads are shared by DCP's writer threads;
+    `close()` (or leaving its `with`) stops them."""
 
-    def __init__(self):
+    def __init__(self, block_bytes: int = BLOCK_BYTES):
         super().__init__()
-        self.digests: Dict[str, str] = {}
+        self.block_bytes = block_bytes
+        self.digests: Dict[str, List[str]] = {}
         self._lock = threading.Lock()  # DCP's writer threads each write their own files
+        self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="tpflash-hash")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "HashingFileSystem":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator:
@@ -100,12 +157,12 @@ class HashingFileSystem(FileSystem):
             if "w" not in mode or "+" in mode:
                 yield raw
                 return
-            stream = _HashingWriter(raw)
+            stream = _HashingWriter(raw, self._pool, self.block_bytes)
             yield stream
-        digest = stream.hexdigest()
-        if digest is not None:
+        digests = stream.digests()
+        if digests is not None:
             with self._lock:
-                self.digests[os.path.basename(os.fspath(path))] = digest
+                self.digests[os.path.basename(os.fspath(path))] = digests
 
 
 def own_files(directory: str, rank: int) -> List[str]:
@@ -136,14 +193,15 @@ def write_manifest(directory: str, entries: FileHashes, info: Optional[dict] = N
     fsync'd, then renamed."""
     path = os.path.join(directory, MANIFEST)
     with open(path + ".tmp", "w") as f:
-        json.dump({"format": "tpflash-checkpoint-1", "files": entries, **(info or {})}, f, indent=1, sort_keys=True)
+        json.dump({"format": "tpflash-checkpoint-2", "files": entries, **(info or {})}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 
 def _problems(directory: str, rank: int, world: int, deep: bool) -> List[str]:
-    """What is wrong with the files this rank checks (sizes: all files; sha256: its share)."""
+    """What is wrong with the files this rank checks (sizes: all files; sha256: its share of the blocks,
+    or of the whole files of an earlier manifest)."""
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
             files = json.load(f)["files"]
@@ -151,18 +209,26 @@ def _problems(directory: str, rank: int, world: int, deep: bool) -> List[str]:
         return [f"{MANIFEST} is missing (the save never finished)"]
     except (ValueError, KeyError) as e:
         return [f"{MANIFEST} is unreadable ({e})"]
-    problems, to_hash = [], []
-    for i, (name, entry) in enumerate(sorted(files.items())):
+    problems, blocks, whole = [], [], []  # blocks: (name, (path, offset, size), want); whole: (name, path, want)
+    for name, entry in sorted(files.items()):
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             problems.append(f"file {name} is missing")
         elif os.path.getsize(path) != entry["bytes"]:
             problems.append(f"file {name} has {os.path.getsize(path)} bytes, the manifest says {entry['bytes']}")
-        elif deep and i % world == rank:
-            to_hash.append((name, path, entry["sha256"]))
-    digests = _sha256_all([path for _, path, _ in to_hash])
-    problems += [f"file {name} fails its sha256 checksum" for (name, _, want), got in zip(to_hash, digests) if got != want]
-    return problems
+        elif "sha256_blocks" in entry:
+            spans = _blocks(entry["bytes"], entry["block_bytes"])
+            if len(spans) != len(entry["sha256_blocks"]):
+                problems.append(f"file {name} has {len(spans)} blocks, the manifest lists {len(entry['sha256_blocks'])}")
+            blocks += [(name, (path,) + span, want) for span, want in zip(spans, entry["sha256_blocks"])]
+        else:
+            whole.append((name, path, entry["sha256"]))
+    if not deep:
+        return problems
+    mine = blocks[rank::world]
+    failed = {name for (name, _, want), got in zip(mine, _hash_jobs([job for _, job, _ in mine])) if got != want}
+    failed |= {name for name, path, want in whole[rank::world] if file_sha256(path) != want}
+    return problems + [f"file {name} fails its sha256 checksum" for name in sorted(failed)]
 
 
 def verify(directory: str, rank: int = 0, world: int = 1,
