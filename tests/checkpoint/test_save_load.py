@@ -1,5 +1,4 @@
 """Single-process save/load: extras, RNG, keep-K, numbering, name-keyed optimizer state, clear errors."""
-import json
 import os
 import random
 import shutil
@@ -11,7 +10,7 @@ import torch
 
 import tpflash
 from tests.checkpoint.tiny_model import TinyLM, build, full_state, make_optimizer, train
-from tpflash.checkpoint import directory, integrity
+from tpflash.checkpoint import directory
 from tpflash.checkpoint.api import WRITER_THREADS, writer_threads
 from tpflash.checkpoint.layout import Chunk
 
