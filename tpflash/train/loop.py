@@ -17,12 +17,12 @@ import torch.distributed as dist
 from .. import parallel
 from ..checkpoint import directory
 from ..kernels.fp8 import check_fp8_device
-from . import build, packing, resume_config, watchdog
+from . import build, packing, watchdog
 from .fingerprint import job_fingerprint
 from .config import TrainConfig, check_values
 from .run_checkpoints import RunCheckpoints
-from .data import (check_token_ids, load_tokens, make_tokenizer, token_format, token_source, split_train_eval,
-                   unigram_entropy)
+from .run_data import load_run_data
+from .data import make_tokenizer
 from .faults import Fault, StopSignal
 from .gradients import clipped_step, global_grad_norm, tp_sharded_param_ids
 from .metrics import MetricsWriter, Throughput, check_logging, finish, memory_gb, peak_flops, start_warnings
@@ -45,7 +45,10 @@ class Trainer:
         if config_cls is None or model_cls is None:
             from ..models import GPT, GPTConfig
             config_cls, model_cls = config_cls or GPTConfig, model_cls or GPT
-        self._load_data(config_cls)  # before any process group: bad data or config raise on every rank
+        data = load_run_data(cfg, config_cls)  # before any process group: bad data or config raise on every rank
+        self.packed, self._tokenizer, self.model_config, self.seq_len = (data.packed, data.tokenizer,
+                                                                         data.model_config, data.seq_len)
+        self.train_data, self.eval_data, self.entropy, self.data_notes = data.train, data.eval, data.entropy, data.notes
         build.check_context_parallel(cfg, self.model_config, self.seq_len, self.packed, model_cls)
         fingerprint = job_fingerprint(cfg, self.model_config, self.train_data.tokens,
                                       self.eval_data.tokens if self.eval_data else None)
@@ -101,35 +104,6 @@ class Trainer:
         zero1 in graphs the blocks' weights may still be gathering on a side stream."""
         if self.zero is not None:
             self.zero.wait_for_parameters()
-
-    def _load_data(self, config_cls) -> None:
-        """The tokenizer, the resolved model config, and the train/eval token windows."""
-        cfg = self.cfg
-        self.packed = token_format(cfg.data) == "jsonl"  # fine-tuning examples, packed into rows (tpflash.train.packing)
-        if self.packed and cfg.cuda_graphs == "on":
-            raise ValueError(build.PACKED_GRAPHS_RULE)
-        is_text = token_format(cfg.data) in ("text", "jsonl")
-        self._tokenizer = make_tokenizer(cfg.data.tokenizer) if is_text else None  # token files: only to sample
-        tokens = None if self.packed else load_tokens(cfg.data, self._tokenizer)
-        # a resumed run's model is the checkpoint's: explicit keys are checked against it (resume_config)
-        self.model_config = resume_config.model_config_for_run(
-            cfg, self._tokenizer.vocab_size if is_text else None, config_cls)
-        if hasattr(self.model_config, "check_tp"):
-            self.model_config.check_tp(cfg.tp)
-        self.seq_len = cfg.data.seq_len or self.model_config.block_size
-        if self.seq_len > self.model_config.block_size:
-            raise ValueError(f"data.seq_len={self.seq_len} exceeds model.block_size={self.model_config.block_size}")
-        self.data_notes = []
-        if self.packed:
-            self.train_data, self.eval_data, self.data_notes = packing.load_packed(
-                cfg.data, self._tokenizer, self.seq_len, cfg.seed)
-            counted = self.train_data.loss_targets()  # the entropy of what the loss is taken over
-        else:
-            self.train_data, self.eval_data = split_train_eval(tokens, self.seq_len, cfg.data.eval_fraction)
-            counted = self.train_data.tokens
-        if tokens is not None:  # every id inside the embedding: found here, not as a failure inside a step
-            check_token_ids(tokens, self.model_config.vocab_size, token_source(cfg.data))
-        self.entropy = unigram_entropy(counted, self.model_config.vocab_size)
 
     def _build_model(self, model_cls, dp: int) -> None:
         """The model on this rank's device: seeded init, then FSDP over dp if used. With init_from it is
