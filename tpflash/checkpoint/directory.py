@@ -39,6 +39,7 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_OWNER_RE = re.compile(r"^\.tmp-(?:old-)?(?:step_\d+|latest)-(.+)-(\d+)-[0-9a-f]{8}$")  # host, pid
 _own_tmps = set()  # temps this process made and has not committed (a failed save's: removed by the next)
 _deletions: List[threading.Thread] = []  # background deletions of pruned steps (delete_later)
+_deletions_lock = threading.Lock()  # an async save's commit prunes from its own thread
 
 
 def unique_suffix() -> str:
@@ -215,13 +216,18 @@ def delete_later(path: str) -> None:
     _fsync_dir(parent)
     thread = threading.Thread(target=shutil.rmtree, args=(doomed, True), name=f"tpflash-delete:{name}", daemon=True)
     thread.start()
-    _deletions[:] = [t for t in _deletions if t.is_alive()] + [thread]
+    with _deletions_lock:
+        _deletions[:] = [t for t in _deletions if t.is_alive()] + [thread]
 
 
 def wait_for_deletions() -> None:
     """Block until every directory given to delete_later is gone."""
-    while _deletions:
-        _deletions.pop().join()
+    while True:
+        with _deletions_lock:
+            if not _deletions:
+                return
+            thread = _deletions.pop()
+        thread.join()
 
 
 def next_step(root: str) -> int:
