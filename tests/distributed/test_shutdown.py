@@ -43,6 +43,28 @@ def test_a_destruction_that_hangs_ends_the_process_with_the_given_status_after_t
     assert done.stdout.count("destroying the process groups did not finish within 1 s") == 1, done.stdout
 
 
+def test_a_hung_destruction_prints_the_last_words_before_it_exits():
+    script = ("import time, torch.distributed as dist; from tpflash import parallel; parallel.init(tp=1); "
+              "dist.destroy_process_group = lambda: time.sleep(600); "
+              "parallel.shutdown(exit_after_s=1, exit_status=1, last_words='error: data.path=x does not exist')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**CLEAN_ENV, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1 and done.stderr.count("error: data.path=x does not exist") == 1, done.stderr[-2000:]
+
+
+def test_the_cli_hands_a_failed_runs_error_to_shutdown_as_its_last_words():
+    from tpflash.train import cli
+    try:
+        try:
+            raise ValueError("train.lr=-1 must be > 0")
+        finally:
+            words = cli._last_words(finished=False)
+    except ValueError:
+        pass
+    assert words == "error: train.lr=-1 must be > 0"
+    assert cli._last_words(finished=True) is None
+
+
 @pytest.mark.parametrize("wait", [0, -5])
 def test_a_wait_that_is_not_positive_is_refused_naming_it(wait):
     import tpflash

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
@@ -109,7 +110,7 @@ def set_default_state(state: Optional[ParallelState]) -> None:
     _default_state = state
 
 
-def shutdown(exit_after_s: Optional[float] = None, exit_status: int = 0) -> None:
+def shutdown(exit_after_s: Optional[float] = None, exit_status: int = 0, last_words: Optional[str] = None) -> None:
     """End the job's distributed state: destroy every process group, clear the default state, and free
     what referred to them now. Call it last, after dropping your own model (`del model`; a model with
     CUDA graphs: `release_cuda_graphs()` first, since a live graph that captured NCCL kernels makes the
@@ -118,7 +119,8 @@ def shutdown(exit_after_s: Optional[float] = None, exit_status: int = 0) -> None
 
     `exit_after_s`: if destroying the groups has not returned after this many seconds, print one line
     and end the process with `exit_status` (for a launcher's worker, whose work is done or failed
-    already: a hang here would hold the whole job)."""
+    already: a hang here would hold the whole job). `last_words`: printed to stderr before that line
+    (the error a failed run would have reported after this call, which such an exit skips)."""
     import gc
     import threading
     if exit_after_s is not None and not exit_after_s > 0:
@@ -128,7 +130,7 @@ def shutdown(exit_after_s: Optional[float] = None, exit_status: int = 0) -> None
     if dist.is_initialized():
         guard = None
         if exit_after_s is not None:
-            guard = threading.Timer(exit_after_s, _exit_stuck, args=(exit_after_s, exit_status))
+            guard = threading.Timer(exit_after_s, _exit_stuck, args=(exit_after_s, exit_status, last_words))
             guard.daemon = True
             guard.start()
         try:
@@ -140,7 +142,9 @@ def shutdown(exit_after_s: Optional[float] = None, exit_status: int = 0) -> None
     gc.collect()
 
 
-def _exit_stuck(waited_s: float, status: int) -> None:
+def _exit_stuck(waited_s: float, status: int, last_words: Optional[str]) -> None:
+    if last_words:
+        print(last_words, file=sys.stderr, flush=True)
     rank = os.environ.get("RANK", "0")
     print(f"warning: rank {rank}: destroying the process groups did not finish within {waited_s:.0f} s; "
           f"exiting with status {status} without it", flush=True)

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from typing import Optional, Sequence
 
 from ..checkpoint.integrity import CheckpointCorruptError
@@ -92,6 +93,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _report(e)
 
 
+def _last_words(finished: bool) -> Optional[str]:
+    """On rank 0 of a failed run, the error main() reports after shutdown(), for shutdown to print if it
+    must end the process before that (its groups' destruction hung)."""
+    error = sys.exc_info()[1]
+    if finished or error is None or _rank() != 0:
+        return None
+    if isinstance(error, USER_ERRORS):
+        return f"error: {str(error) or type(error).__name__}"
+    return "".join(traceback.format_exception(error))
+
+
 def _run(argv: Sequence[str], print_only: bool) -> int:
     """main() without the error reporting."""
     from .config import parse_args, to_yaml
@@ -117,7 +129,7 @@ def _run(argv: Sequence[str], print_only: bool) -> int:
         if trainer is not None:
             trainer.close(wait_for_device=finished)  # after an error the device may wait on a peer that never comes
         trainer = None  # its model holds the process groups: shutdown() frees them while the interpreter is whole
-        shutdown(exit_after_s=SHUTDOWN_WAIT_S, exit_status=0 if finished else 1)
+        shutdown(exit_after_s=SHUTDOWN_WAIT_S, exit_status=0 if finished else 1, last_words=_last_words(finished))
     return 0
 
 
