@@ -99,13 +99,14 @@ class _EagerGraph:
         self.fn = None
 
 
-def check_graphable(blocks: Sequence[nn.Module]) -> None:
-    """Raise ValueError naming the first setting of `blocks` that a captured replay would get wrong."""
+def check_graphable(blocks: Sequence[nn.Module], params: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """Raise ValueError naming the first setting of `blocks` that a captured replay would get wrong.
+    `params`: the tensors the replays differentiate (default: the blocks' parameters)."""
     for i, block in enumerate(blocks):
         if getattr(block, "dropout", 0.0):
             raise ValueError(f"block {i} has dropout={block.dropout}: CUDA graphs need dropout=0 "
                              "(a replay would reuse one random mask)")
-    params = [p for b in blocks for p in b.parameters()]
+    params = [p for b in blocks for p in b.parameters()] if params is None else params
     if any(type(p.data) is not torch.Tensor for p in params):
         raise ValueError("the blocks' parameters are not plain tensors (FSDP/DTensor?): CUDA graphs need "
                          "parameters that stay in place")
@@ -121,7 +122,9 @@ class GraphedBlocks:
     rank of those groups must capture together. `overlapped`: whether the capture overlapped the
     tp collectives with the GEMMs (tpflash.parallel.overlap.capture_decision). `dp_sync`: a
     tpflash.parallel.zero_graphs.GraphSync whose dp reduce-scatters and all-gathers the graphs
-    overlap with the blocks (fsdp=zero1); its gradients are then written in place, not returned.
+    overlap with the blocks (fsdp=zero1), or a tpflash.parallel.zero3.GraphSync (fsdp=zero3: the
+    replays differentiate its gathered weights' leaves); its gradients are then written in place,
+    not returned.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], sample_x: torch.Tensor, dp_sync=None):
@@ -129,11 +132,13 @@ class GraphedBlocks:
             raise ValueError("GraphedBlocks needs at least one block")
         if not torch.is_grad_enabled():
             raise ValueError("capture the blocks with grad mode on (their backward is captured too)")
-        check_graphable(blocks)
+        graph_params = getattr(dp_sync, "graph_params", None)  # fsdp=zero3: the gathered weights' leaves
+        self.params = tuple(graph_params() if graph_params is not None else
+                            (p for b in blocks for p in b.parameters() if p.requires_grad))
+        check_graphable(blocks, self.params)
         self.blocks = list(blocks)
         self.dp_sync = dp_sync
         device = sample_x.device
-        self.params = tuple(p for b in self.blocks for p in b.parameters() if p.requires_grad)
         # the gradients dp_sync's hooks write in place inside the backward graph: not returned
         taken = dp_sync.hooked if dp_sync is not None else frozenset()
         self.returned = tuple(id(p) not in taken for p in self.params)
@@ -179,9 +184,10 @@ class GraphedBlocks:
                     x, residual = block(x, residual)
             return x, residual
         with self._one_grad_bucket():  # each block waits for its weights' all-gather, then casts them
+            cast = getattr(self.dp_sync, "cast_weights", True)
             for i, block in enumerate(self.blocks):
                 self.dp_sync.before_block(i)
-                with self._weight_cast([block], x):
+                with self._weight_cast([block], x) if cast else contextlib.nullcontext():
                     x, residual = block(x, residual)
         self.dp_sync.after_blocks()  # and the head, run eagerly after the replay, for its weights'
         return x, residual

@@ -190,13 +190,15 @@ class GPT(nn.Module):
         here is captured (by default: the copy-engine overlap where the GPUs map each other's memory,
         docs/overlap.md). Run one backward per forward. On CPU the replay is an eager stand-in (tests). Call again to recapture; `release_cuda_graphs()` frees them.
         `dp_sync`: a tpflash.parallel.zero_graphs.GraphSync for these blocks (fsdp=zero1), whose
-        gradient reduce-scatters and weight all-gathers the graphs then overlap with the blocks.
+        gradient reduce-scatters and weight all-gathers the graphs then overlap with the blocks, or
+        a tpflash.parallel.zero3.GraphSync (fsdp=zero3, ShardedBlocks.graph_sync()).
         """
         from ..layers.graphed_blocks import GraphedBlocks, check_graphable
         if self.cp_group is not None:
             raise ValueError(f"CUDA graphs are not captured under context parallelism (cp={self.cp}): "
                              "its ring sends and receives run eagerly")
-        check_graphable(self.blocks)  # before any collective
+        graph_params = getattr(dp_sync, "graph_params", None)
+        check_graphable(self.blocks, graph_params() if graph_params is not None else None)  # before any collective
         idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device=self.head_weight.device)
         self._check_input(idx, None)
         self.release_cuda_graphs()
