@@ -27,6 +27,16 @@ def test_cast_once_gives_each_tensor_and_each_group_stacked():
     assert torch.equal(weight_casts.stacked_cast([q, k, v], BF16), torch.cat([q, k, v]).to(BF16))
 
 
+def test_tensors_stacked_in_one_storage_already_are_viewed_not_copied():
+    flat = torch.randn(24)
+    q, k, v = flat[:12].view(4, 3), flat[12:18].view(2, 3), flat[18:].view(2, 3)
+    stacked = weight_casts.stacked_cast([q, k, v], torch.float32)
+    assert stacked.data_ptr() == flat.data_ptr() and torch.equal(stacked, torch.cat([q, k, v]))
+    apart = [q, flat[18:].view(2, 3)]  # not adjacent: copied
+    assert weight_casts.stacked_cast(apart, torch.float32).data_ptr() != flat.data_ptr()
+    assert torch.equal(weight_casts.stacked_cast([q, k, v], BF16), torch.cat([q, k, v]).to(BF16)), "another dtype: cast"
+
+
 def test_an_alias_of_a_cast_tensor_finds_its_cast():
     w = torch.nn.Parameter(torch.randn(3, 5))
     with weight_casts.cast_once([(w,)], BF16):

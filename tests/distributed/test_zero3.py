@@ -75,3 +75,20 @@ def test_zero3_recomputes_checkpointed_blocks_with_their_gathered_weights(ranks)
 
 def test_rows_that_do_not_divide_by_dp_are_padded_and_train_like_ddp(ranks):
     ranks(4).run(equals_ddp_body, 1, True, 1, None, 70)  # up_proj's 70 rows: 18 per rank, 16 on the last
+
+
+def stacked_body():
+    from tpflash.layers import weight_casts
+    ps = init_tp(1)
+    model, _ = twins(GPTConfig.preset("llama-tiny", vocab_size=VOCAB, block_size=16, n_layer=2, n_embd=32, n_head=4,
+                                      n_kv_head=2, ffn_hidden=64), ps.device)
+    sharded = shard_blocks(model, ps)
+    leaves = sharded.leaves[1]
+    for names in (["attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"],
+                  ["mlp.up_proj.weight", "mlp.gate_proj.weight"]):
+        tensors = [leaves[n] for n in names]
+        assert weight_casts.stacked_cast(tensors, tensors[0].dtype).data_ptr() == tensors[0].data_ptr(), names
+
+
+def test_the_weights_a_layer_stacks_are_gathered_side_by_side(ranks):
+    ranks(2).run(stacked_body)

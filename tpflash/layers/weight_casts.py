@@ -98,14 +98,35 @@ def _lookup(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[tor
     return None
 
 
+def _adjacent_rows(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """One view of the tensors stacked along dim 0 where they already are, in `dtype`, one after the
+    other in one storage (fsdp=zero3's gathered weights: tpflash.parallel.zero3), else None. Not
+    differentiable: for the layers' own autograd Functions, which compute each tensor's gradient."""
+    first = tensors[0]
+    if first.dtype != dtype:
+        return None
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    for t in tensors:
+        if (t.dtype != dtype or not t.is_contiguous() or t.shape[1:] != first.shape[1:] or t.device != first.device
+                or t.untyped_storage().data_ptr() != storage or t.data_ptr() != end):
+            return None
+        end += t.numel() * t.element_size()
+    shape = (sum(t.shape[0] for t in tensors),) + tuple(first.shape[1:])
+    return first.detach().as_strided(shape, torch.empty(shape, device="meta").stride())
+
+
 def stacked_cast(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The tensors concatenated along dim 0 in `dtype`: a view of the innermost open `cast_once` that
-    holds them, else cast and copied in one pass each."""
+    holds them, a view of their storage where they lie there stacked in `dtype` already, else cast
+    and copied in one pass each."""
     cached = cached_cast(tensors, dtype)
     if cached is not None:
         return cached
     if len(tensors) == 1:
         return tensors[0].to(dtype)
+    adjacent = _adjacent_rows(tensors, dtype)
+    if adjacent is not None:
+        return adjacent
     out = torch.empty((sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:]),
                       dtype=dtype, device=tensors[0].device)
     for part, t in zip(out.split([t.shape[0] for t in tensors]), tensors):

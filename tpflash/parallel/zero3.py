@@ -78,6 +78,17 @@ def _layout(named: List[Tuple[str, nn.Parameter]], ranks: int) -> Tuple[List[_Pi
     return pieces, shard, full
 
 
+def _stacking_order(block: nn.Module, named: List[Tuple[str, nn.Parameter]]) -> List[Tuple[str, nn.Parameter]]:
+    """The block's parameters with each group its layers multiply stacked (q/k/v, up/gate:
+    `weight_cast_groups`) side by side, so that the gathered group is one view of the slot rather
+    than a copy (weight_casts.stacked_cast); the rest in module order."""
+    path_of = {id(p): (n, p) for n, p in named}
+    groups = getattr(block, "weight_cast_groups", list)()
+    first = [path_of[id(t)] for g in groups if len(g) > 1 for t in g if t is not None and id(t) in path_of]
+    taken = {n for n, _ in first}
+    return first + [(n, p) for n, p in named if n not in taken]
+
+
 def _split_path(block: nn.Module, path: str) -> Tuple[nn.Module, str]:
     module_path, _, name = path.rpartition(".")
     return (block.get_submodule(module_path) if module_path else block), name
@@ -107,6 +118,7 @@ class ShardedBlocks:
                 raise ValueError(f"fsdp=zero3 needs blocks of one shape: block {i}'s parameters differ from block 0's")
             if any(type(p) is not nn.Parameter for _, p in params):
                 raise ValueError("fsdp=zero3 needs plain parameters (is the model already sharded with FSDP?)")
+        named = [_stacking_order(b, params) for b, params in zip(self.blocks, named)]
         partial_ids = {id(p) for p in getattr(self.blocks[0], "tp_partial_grad_parameters", list)()}
         is_partial = [id(p) in partial_ids for _, p in named[0]]
         dtypes = {p.dtype for _, p in named[0]}
