@@ -65,8 +65,9 @@ def test_zero3_trains_like_ddp(ranks, world, tp, graphed):
     ranks(world).run(equals_ddp_body, tp, graphed)
 
 
-def test_zero3_accumulates_micro_batches_like_ddp(ranks):
-    ranks(2).run(equals_ddp_body, 1, False, 2)
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_zero3_accumulates_micro_batches_like_ddp(ranks, graphed):
+    ranks(2).run(equals_ddp_body, 1, graphed, 2)
 
 
 def test_zero3_recomputes_checkpointed_blocks_with_their_gathered_weights(ranks):

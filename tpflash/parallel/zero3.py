@@ -101,7 +101,8 @@ class ShardedBlocks:
     the optimizer (which then steps the sharded masters) and before any CUDA-graph capture.
     `compute_dtype`: the dtype of the gathered weights (bf16 under autocast on CUDA; default the
     parameters' own). Per step: forward and backward (the hooks gather and reduce), the optimizer
-    step on the masters, `optimizer.zero_grad(set_to_none=True)`, then `new_step()`.
+    step on the masters, `optimizer.zero_grad(set_to_none=True)`, then `new_step()` (micro-batches
+    accumulate until then, graphed or not).
     Collectives over the dp * cp group, inside the blocks' forward and backward.
     """
 
@@ -141,6 +142,7 @@ class ShardedBlocks:
         self.reduce_slots = {"main": zeros(2, f_main, dtype=master_dtype), "partial": zeros(L, f_part, dtype=master_dtype)}
         self._staging = {k: torch.empty_like(v[0], dtype=self.compute_dtype) for k, v in self.master.items()} \
             if self.compute_dtype != master_dtype else None
+        self._scratch = {k: torch.empty_like(v[0]) for k, v in self.grad.items()}  # a block's reduced shard
         self.leaves: List[Dict[str, torch.Tensor]] = []  # per block: path -> compute leaf
         self.masters: List[Dict[str, nn.Parameter]] = []  # per block: path -> DTensor master
         self._grad_views: List[Tuple[nn.Parameter, torch.Tensor]] = []
@@ -165,11 +167,9 @@ class ShardedBlocks:
         self._holds: List[Optional[Tuple[int, int]]] = [None, None]
         self._events = self._new_events() if self.cuda else None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._fresh = True  # the next backward's reductions overwrite the gradients (after new_step)
         self._backward_open = False
         self._waiting = [False, False]  # a slot's gather was issued on the side stream, not yet waited for
         self._reduced_here = [False, False]  # a reduction from a slot was issued in this backward
-        self._replayed = False  # a captured backward replayed since new_step
         self._hook_handles = []
         self._install_hooks()
         self.new_step()
@@ -327,8 +327,7 @@ class ShardedBlocks:
         with self._side():
             for i in blocks:
                 slot = i % 2 if kind == "main" else i
-                target = self.grad[kind][i]
-                out = target if self._fresh else torch.empty_like(target)
+                out = self._scratch[kind]  # one per kind: the reductions follow each other on one stream
                 for piece in pieces:
                     full = self.reduce_slots[kind][slot][piece.full_start:piece.full_start + self.ranks * piece.shard_numel]
                     shard = out[piece.shard_start:piece.shard_start + piece.shard_numel]
@@ -336,10 +335,7 @@ class ShardedBlocks:
                         shard.copy_(full)
                     else:
                         _issue_reduce_scatter(shard, full, self.group).wait()
-                if self._fresh:
-                    target.div_(self.ranks)
-                else:
-                    target.add_(out, alpha=1.0 / self.ranks)
+                self.grad[kind][i].add_(out, alpha=1.0 / self.ranks)  # micro-batches accumulate
             if self.cuda and kind == "main":
                 self._events["reduced"][blocks[0] % 2].record()
         if kind == "main":
@@ -353,16 +349,15 @@ class ShardedBlocks:
         if missing:  # every rank runs the same blocks: all raise here alike
             raise RuntimeError(f"{missing} block parameter(s) got no gradient: fsdp=zero3 needs every block "
                                "parameter used in the forward")
-        self._fresh = False
 
     # ---- the step -----------------------------------------------------------------------------------
     def new_step(self) -> None:
         """After the optimizer step and zero_grad: the masters' gradients are this object's buffers again,
-        and the next backward overwrites them (later ones before the next new_step add to them)."""
+        zeroed; the backwards until the next new_step add to them."""
+        for kind in self.grad:
+            self.grad[kind].zero_()
         for master, grad in self._grad_views:
             master.grad = grad
-        self._fresh = True
-        self._replayed = False
 
     def graph_sync(self) -> "GraphSync":
         """What GraphedBlocks needs to capture these blocks (GPT.capture_cuda_graphs(..., dp_sync=)): the
@@ -394,8 +389,7 @@ class GraphSync:
         return [t for leaves in self.sharded.leaves for t in leaves.values()]
 
     def warm_up(self) -> None:
-        """After the eager warm-up passes, before the capture: the captured backward must overwrite the
-        gradients, as every replay's does."""
+        """After the eager warm-up passes, before the capture: their gradients are dropped."""
         self.sharded.new_step()
 
     def before_block(self, index: int) -> None:
@@ -408,10 +402,7 @@ class GraphSync:
         return _nullcontext()
 
     def backward_replayed(self) -> None:
-        if self.sharded._replayed:
-            raise RuntimeError("a second backward through the graphed blocks before new_step: fsdp=zero3 inside "
-                               "CUDA graphs takes one backward per optimizer step (grad_accum=1)")
-        self.sharded._replayed = True
+        pass
 
     def wait_all(self) -> None:
         self.sharded._join()
