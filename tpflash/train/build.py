@@ -141,7 +141,7 @@ def restore_optimizer_settings(optimizer: torch.optim.Optimizer, settings: List[
 # fp32 weight, fp32 gradient and AdamW's two fp32 moments: what every dp rank holds without sharding
 REPLICATED_BYTES_PER_PARAM = 16
 # the trainer's fsdp values: how the dp (x cp) ranks hold the model
-DP_MODES = ("auto", "off", "zero1", "on")
+DP_MODES = ("auto", "off", "zero1", "zero3", "on")
 
 
 def device_memory(device: torch.device) -> int:
@@ -169,11 +169,13 @@ def agreed_fsdp_inputs(model: nn.Module, ps) -> Tuple[int, int]:
 
 
 def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[str, str]:
-    """(how the dp ranks hold the model: "off" | "zero1" | "on", why: "" when set explicitly).
+    """(how the dp ranks hold the model: "off" | "zero1" | "zero3" | "on", why: "" when set explicitly).
 
     off: replicated, gradients all-reduced by DDP. zero1: parameters and gradients replicated,
-    AdamW's state sharded over dp (tpflash.parallel.zero; 8 + 8/dp bytes per parameter). on: FSDP2,
-    everything sharded. auto, at dp > 1: zero1 where its state takes at most half of `memory`, else
+    AdamW's state sharded over dp (tpflash.parallel.zero; 8 + 8/dp bytes per parameter). zero3: the
+    blocks' weights, gradients and state sharded, gathered into two static slots so that the blocks
+    stay CUDA-graphed (tpflash.parallel.zero3; 16/dp bytes per parameter); only when asked for. on:
+    FSDP2, everything sharded. auto, at dp > 1: zero1 where its state takes at most half of `memory`, else
     FSDP. zero1 keeps the CUDA-graphed blocks that FSDP turns off, and its step is as fast as DDP's
     with less memory (docs/performance.md, "Sharded data parallelism"). Every rank must pass the same
     numbers (agreed_fsdp_inputs), so that all choose alike."""
@@ -228,9 +230,11 @@ PACKED_GRAPHS_RULE = ("cuda_graphs=on is not possible with data.format=jsonl: pa
 
 
 def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp_size: int,
-                    dp_mode: str = "off") -> Tuple[bool, str]:
+                    dp_mode: str = "off", graph_params=None) -> Tuple[bool, str]:
     """(capture the model's blocks as CUDA graphs?, why) for cuda_graphs=auto/on/off; call it after
     FSDP has been applied (its parameters are one of the things that stand in the way).
+    `graph_params`: what the replays would differentiate instead of the blocks' parameters
+    (fsdp=zero3: the gathered weights' leaves, tpflash.parallel.zero3.GraphSync.graph_params()).
 
     auto: on CUDA, when nothing stands in the way, at tp > 1, where issuing a step's kernels and
     collectives from Python takes longer than the GPUs take to run them (docs/performance.md,
@@ -238,8 +242,8 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp
     the eager step (+1-3% on gpt-1.3b and llama-1b, more where the host stalls; "CUDA graphs in the
     trainer"). At
     tp=1 with dp > 1 under DDP (dp_mode "off") it stays eager: DDP's all-reduces then run during the
-    eager backward, whereas a graphed backward hands DDP every gradient at its end; zero1 reduces
-    after the backward either way, so it keeps the graphs. on: wherever possible (CPU runs an eager
+    eager backward, whereas a graphed backward hands DDP every gradient at its end; zero1 and zero3
+    reduce inside the graphed backward (zero1 with one micro-batch per step), so they keep the graphs. on: wherever possible (CPU runs an eager
     stand-in), ValueError naming what stands in the way. Packed fine-tuning data (data.format=jsonl)
     always runs eager: auto is off, on a ValueError.
     """
@@ -260,7 +264,7 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp
         blocker = f"{type(model).__name__} has no capture_cuda_graphs"
     else:
         try:
-            check_graphable(model.blocks)
+            check_graphable(model.blocks, graph_params)
         except ValueError as e:
             blocker = str(e)
     if cfg.cuda_graphs == "on":
@@ -273,5 +277,5 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp
         return False, "auto: off (tp=1 at dp > 1: DDP overlaps its all-reduces with the eager backward)"
     if blocker:
         return False, f"auto: off ({blocker})"
-    why = "tp > 1" if cfg.tp > 1 else "tp=1 at dp=1" if dp_size == 1 else "tp=1, fsdp=zero1"
+    why = "tp > 1" if cfg.tp > 1 else "tp=1 at dp=1" if dp_size == 1 else f"tp=1, fsdp={dp_mode}"
     return True, f"auto: on (CUDA, {why})"

@@ -130,8 +130,9 @@ class DistSection:
 class TrainConfig:
     """Everything `python -m tpflash.train` needs. dtype: "auto" (bf16 autocast on CUDA, fp32 on
     CPU), "bf16" or "fp32". fsdp: how the dp ranks hold the model: "off" (replicated,
-    DDP), "zero1" (AdamW's state sharded over dp, parameters replicated: tpflash.parallel.zero), "on"
-    (FSDP2) or "auto" (zero1 at dp > 1 where it fits in half the device, else FSDP:
+    DDP), "zero1" (AdamW's state sharded over dp, parameters replicated: tpflash.parallel.zero), "zero3"
+    (the blocks' weights sharded too, gathered into static buffers that CUDA graphs replay on:
+    tpflash.parallel.zero3), "on" (FSDP2) or "auto" (zero1 at dp > 1 where it fits in half the device, else FSDP:
     tpflash.train.build.fsdp_choice). cuda_graphs:
     "auto" (replay the model's blocks as CUDA graphs on CUDA at tp > 1, and at tp=1 with dp=1, when
     the model allows it: no FSDP, dropout 0; activation checkpointing is recomputed inside the graphs), "on" (also at tp=1 with
@@ -158,7 +159,7 @@ class TrainConfig:
 
 
 SECTIONS = {f.name: f for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory)}
-_CHOICES = {"dtype": ("auto", "bf16", "fp32"), "cp_comm": ("ring", "allgather"), "fsdp": ("auto", "off", "zero1", "on"), "cuda_graphs": ("auto", "on", "off"),
+_CHOICES = {"dtype": ("auto", "bf16", "fp32"), "cp_comm": ("ring", "allgather"), "fsdp": ("auto", "off", "zero1", "zero3", "on"), "cuda_graphs": ("auto", "on", "off"),
             "data.format": ("auto", "text", "uint16", "uint32", "jsonl"), "train.fused_adam": ("auto", "on", "off"),
             "log.progress": ("auto", "bar", "lines", "none"), "log.tensorboard": ("auto", "on", "off"),
             "checkpoint.on_corrupt": ("fallback", "error")}

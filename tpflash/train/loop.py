@@ -77,8 +77,9 @@ class Trainer:
         self.changed_settings = []  # the optimizer settings the config changed against the checkpoint
         self.resumed_from = self._resume()
         # after loading: the graphs replay on the parameter tensors they were captured with
+        graph_params = self.zero3.graph_sync().graph_params() if self.zero3 is not None else None
         self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device, self.ps.dp_size,
-                                                                       self.dp_mode)
+                                                                       self.dp_mode, graph_params)
         if self.cuda_graphs:
             self._capture_cuda_graphs()
         # replicated over dp (x cp): the training forward goes through DDP, whose backward all-reduces the
@@ -90,13 +91,20 @@ class Trainer:
     def _capture_cuda_graphs(self) -> None:
         """Capture the blocks at the micro-batch shape; under zero1 with one micro-batch per step the
         graphs also carry the dp reduce-scatters and all-gathers of the blocks' weights, overlapped
-        with the blocks (tpflash.parallel.zero_graphs; with accumulation they stay after the backward)."""
+        with the blocks (tpflash.parallel.zero_graphs; with accumulation they stay after the backward);
+        under zero3 they always do (tpflash.parallel.zero3)."""
         sync = None
         if self.zero is not None and self.plan.grad_accum == 1 and self.ps.dp_cp_size > 1:
             sync = self.zero.sync_in_graphs(self.model.blocks)
+        if self.zero3 is not None:  # its gathers and reductions are always in the graphs
+            sync = self.zero3.graph_sync()
+            self.model.unshard()  # FSDP2's root unit: the embedding makes the capture's sample input
         with build.autocast(self.device, self.amp_dtype):
             self.model.capture_cuda_graphs(self.plan.micro, self.seq_len, **({"dp_sync": sync} if sync else {}))
-        if sync is not None:
+        if self.zero3 is not None:
+            self.model.reshard()
+            self.zero3.new_step()  # the capture's passes leave gradients behind
+        elif sync is not None:
             self.zero.use_graph_sync(sync)
 
     def _parameters_ready(self) -> None:
@@ -125,8 +133,7 @@ class Trainer:
         # the dp x cp ranks hold the same parameters: FSDP (or zero1) shards over them all
         self.dp_mode, self.dp_mode_why = build.fsdp_choice(self.cfg.fsdp, dp * self.cfg.cp,
                                                            *build.agreed_fsdp_inputs(self.model, self.ps))
-        self.fsdp = self.dp_mode == "on"
-        if self.fsdp:
+        if self.dp_mode == "on":
             parallel.apply_fsdp(self.model, self.ps)
             self.sharded_ids = tp_sharded_param_ids(self.model)
         if self.init_from:
@@ -137,6 +144,12 @@ class Trainer:
         # zero1: the parameters move into flat buffers (same Parameter objects) before the optimizer,
         # the checkpoint load (in place) and the graph capture (which keeps their addresses)
         self.zero = parallel.ShardedOptimizerState(self.model, self.ps) if self.dp_mode == "zero1" else None
+        # zero3: every parameter becomes a DTensor shard (the blocks' gathered into static slots), after
+        # init_from's weights are in (each rank holds the whole tp-local model until then)
+        self.zero3 = None
+        if self.dp_mode == "zero3":
+            self.zero3 = parallel.shard_blocks(self.model, self.ps, compute_dtype=self.amp_dtype)
+            self.sharded_ids = tp_sharded_param_ids(self.model)
 
     # ---------------------------------------------------------------- checkpoints
     def _resume(self) -> Optional[Dict]:
@@ -250,6 +263,8 @@ class Trainer:
         if self.zero is None:
             clipped_step(self.optimizer, self.model.parameters(), norm, self.cfg.train.clip)
             self.optimizer.zero_grad(set_to_none=True)
+            if self.zero3 is not None:  # the blocks' gradients are its buffers again, zeroed
+                self.zero3.new_step()
         else:  # the step on the owned parameters, then every rank's updated ones gathered in place
             self.zero.step(lambda: clipped_step(self.optimizer, params, norm, self.cfg.train.clip))
             self.zero.zero_grad()
@@ -260,7 +275,7 @@ class Trainer:
     def _gradient_sync(self, last_micro_batch: bool):
         """The context of one micro-batch's forward and backward: gradients are reduced over dp only in
         the last one's backward (FSDP: reduce-scatter; replicated: DDP's all-reduce)."""
-        if self.fsdp and hasattr(self.model, "set_requires_gradient_sync"):
+        if self.dp_mode in ("on", "zero3") and hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2's units
             self.model.set_requires_gradient_sync(last_micro_batch)
         if self.ddp is not None and not last_micro_batch:
             return self.ddp.no_sync()
