@@ -2,7 +2,8 @@
 
 Run under torchrun (one process per GPU; tp = --tp, dp = world/tp; at dp > 1 --dp-mode replicate, the
 default, wraps tpflash and plain in DDP (the trainer's fsdp=off), fsdp shards them with FSDP2, zero1
-shards tpflash's AdamW state over dp (the trainer's fsdp=zero1, what fsdp=auto picks where it fits);
+shards tpflash's AdamW state over dp (the trainer's fsdp=zero1, what fsdp=auto picks where it fits),
+zero3 its blocks' weights too, gathered into static slots inside the graphs (the trainer's fsdp=zero3);
 dtensor always uses FSDP2 over dp, as torchtitan composes it with TP; "impl@mode" gives one row its own):
     torchrun --nproc_per_node=2 benchmarks/bench_e2e.py --tp 2 --models gpt-1.3b,gpt-2.7b
     torchrun --nproc_per_node=4 benchmarks/bench_e2e.py --tp 1 --models llama-1b \
@@ -76,7 +77,7 @@ IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-seria
          *FP8, "plain", "plain-compile", "dtensor", "dtensor-compile", *EXTERNAL)
 OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives overlapped with the GEMMs
 OVERLAP_OFF = ("tpflash-nooverlap", "tpflash-graphs-serial")  # forced off; the others: the library default
-DP_MODES = ("replicate", "fsdp", "zero1")
+DP_MODES = ("replicate", "fsdp", "zero1", "zero3")
 # whose loss after the timed steps each row's note shows beside its own: fp8 against bf16
 LOSS_REFERENCE = {**{impl: "tpflash-graphs" for impl in FP8}, "torchtitan-fp8": "torchtitan",
                   "torchao-fp8-compile": "plain-compile", "torchao-fp8-tensorwise-compile": "plain-compile"}
@@ -101,16 +102,26 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
             tpflash.parallel.apply_fsdp(model, ps)
         if ps.dp_size > 1 and args.dp_mode == "zero1":  # AdamW state sharded over dp; before the capture, as the trainer
             model.zero1 = tpflash.parallel.ShardedOptimizerState(model, ps)
+        if ps.dp_size > 1 and args.dp_mode == "zero3":  # blocks sharded into static slots, the rest FSDP2 (bf16 gathers)
+            model.zero3 = tpflash.parallel.shard_blocks(model, ps, compute_dtype=torch.bfloat16 if args.dtype == "bf16"
+                                                        else None)
         on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
         if impl.startswith("tpflash-graphs") or impl in FP8:  # the replays overlap (or not) as captured
             # zero1: the graphs also carry the blocks' dp reduce-scatters and all-gathers, as the trainer's with
             # one micro-batch per step (--zero1-in-graphs off: reduced and gathered after them)
             sync = getattr(model, "zero1", None)
             sync = sync.sync_in_graphs(model.blocks) if sync is not None and args.zero1_in_graphs == "on" else None
+            zero3 = getattr(model, "zero3", None)
+            if zero3 is not None:  # its gathers and reductions are captured; FSDP2's root makes the sample input
+                sync = zero3.graph_sync()
+                model.unshard()
             with _overlap_setting(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
                                                           enabled=args.dtype == "bf16"):
                 model.capture_cuda_graphs(args.batch, args.seq, dp_sync=sync)
-            if sync is not None:
+            if zero3 is not None:
+                model.reshard()
+                zero3.new_step()
+            elif sync is not None:
                 model.zero1.use_graph_sync(sync)
         forward = model
         if ps.dp_size > 1 and args.dp_mode == "replicate":  # after the capture, as the trainer does
@@ -155,8 +166,8 @@ def _dp_name(impl: str, dp_mode: str) -> str:
     """How `impl` holds the model over dp under --dp-mode (dtensor always FSDP2; zero1 is tpflash's)."""
     if impl.startswith("dtensor"):
         return "FSDP2"
-    if dp_mode == "zero1":  # build() shards the plain peers with FSDP2 unless --dp-mode replicate
-        return "zero1" if impl.startswith("tpflash") else "FSDP2"
+    if dp_mode in ("zero1", "zero3"):  # build() shards the plain peers with FSDP2 unless --dp-mode replicate
+        return dp_mode if impl.startswith("tpflash") else "FSDP2"
     return {"replicate": "DDP", "fsdp": "FSDP2"}[dp_mode]
 
 
@@ -221,6 +232,8 @@ def _measure(impl, shape, args, ps, fallback: bool):
     opt = make_optimizer(model, ps.device, fused=not (fallback and not tpflash_impl))
     if getattr(model, "zero1", None) is not None:
         opt = Zero1Optimizer(model.zero1, opt)
+    if getattr(model, "zero3", None) is not None:
+        opt = Zero3Optimizer(model.zero3, opt)
     step_s, losses, extra = time_steps(loss_fn, step_context, opt, args, ps)
     return model, opt, step_s, losses, extra
 
@@ -239,6 +252,21 @@ class Zero1Optimizer:
 
     def zero_grad(self, set_to_none: bool = True):
         self.zero.zero_grad()  # the gradients stay views of the flat buffer
+
+
+class Zero3Optimizer:
+    """The step and zero_grad the timing loop calls under fsdp=zero3: AdamW on the sharded masters, then
+    the blocks' gradient buffers zeroed and handed back to them (ShardedBlocks.new_step)."""
+
+    def __init__(self, zero3, optimizer):
+        self.zero3, self.optimizer = zero3, optimizer
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none=True)
+        self.zero3.new_step()
 
 
 def _cleanup(ps) -> None:
