@@ -116,19 +116,21 @@ dp() {  # the ways of holding the model over dp, on 2 or 4 GPUs, beside torchtit
   [ "$GPUS" -ge 2 ] || { echo "dp needs 2 GPUs"; return 1; }
   peer_wheels
   if [ -z "${NO_TESTS:-}" ]; then
-    echo "== zero1 against DDP over NCCL =="
-    timeout 240 $PYTEST tests/distributed/test_zero_device.py 2>&1 | tee "$OUT/zero_nccl.log" | tail -5
+    echo "== zero1 and zero3 against DDP over NCCL =="
+    timeout 300 $PYTEST tests/distributed/test_zero_device.py tests/distributed/test_zero3_device.py 2>&1 \
+      | tee "$OUT/zero_nccl.log" | tail -5
   fi
   local nproc=$(( GPUS >= 4 ? 4 : 2 )) tp
   local e2e="benchmarks/bench_e2e.py --models ${MODELS:-llama-1b} --batch ${BATCH:-4} --seq 2048 --steps ${STEPS:-8}"
   e2e="$e2e --warmup 3 --results $OUT/bench_dp.jsonl ${PROFILE:+--profile}"
   for tp in ${TPS:-1 $([ "$nproc" -ge 4 ] && echo 2)}; do
-    echo "== training step, $nproc GPUs, tp=$tp x dp=$((nproc / tp)): zero1, DDP, FSDP2, torchtitan =="
-    # zero1 graphed (its dp collectives inside the graphs: the trainer's choice), DDP (eager: the trainer's
-    # choice at tp=1; graphed), FSDP2 eager, torchtitan (FSDP2, and TP at tp > 1)
+    echo "== training step, $nproc GPUs, tp=$tp x dp=$((nproc / tp)): zero1, zero3, DDP, FSDP2, torchtitan =="
+    # zero1 and zero3 graphed (their dp collectives inside the graphs), DDP (eager: the trainer's choice at
+    # tp=1; graphed), FSDP2 eager, torchtitan (FSDP2, and TP at tp > 1)
     local ddp="tpflash-graphs@replicate$([ "$tp" = 1 ] && echo ,tpflash@replicate)"
     timeout ${RUN_TIMEOUT:-290} $RUN --nproc_per_node=$nproc $e2e --tp $tp \
-      --impls ${IMPLS:-tpflash-graphs@zero1,$ddp,tpflash@fsdp,torchtitan@fsdp} 2>&1 | grep "bench_e2e\]\|Error"
+      --impls ${IMPLS:-tpflash-graphs@zero1,tpflash-graphs@zero3,$ddp,tpflash@fsdp,torchtitan@fsdp} 2>&1 \
+      | grep "bench_e2e\]\|Error"
   done
   python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_dp.jsonl" --table "$OUT/table_dp.md"
 }

@@ -25,7 +25,7 @@ def equals_ddp_body(tp, graphed, micro_batches=1, checkpointing=False, ffn_hidde
     ps = init_tp(tp)
     device = ps.device
     model, reference = twins(_config(tp > 1, ffn_hidden, activation_checkpointing=checkpointing), device)
-    sharded = shard_blocks(model, ps)
+    sharded = shard_blocks(model, ps, compute_dtype=torch.bfloat16 if device.type == "cuda" else None)
     if graphed:
         model.unshard()
         with amp(device):
@@ -93,3 +93,26 @@ def stacked_body():
 
 def test_the_weights_a_layer_stacks_are_gathered_side_by_side(ranks):
     ranks(2).run(stacked_body)
+
+
+def memory_body():
+    ps = init_tp(1)
+    model, reference = twins(_config(False), ps.device)
+    block_numel = sum(p.numel() for p in reference.blocks.parameters())
+    block0 = sum(p.numel() for p in reference.blocks[0].parameters())
+    sharded = shard_blocks(model, ps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx, targets = batch(0, ps.device)
+    model(idx, targets).backward()
+    opt.step()
+    adam = sum(v.to_local().numel() * v.element_size() for p in sharded.master_params
+               for v in opt.state[p].values() if v.dim())
+    return block_numel, block0, sharded.bytes_per_rank(), adam
+
+
+def test_zero3_holds_a_dp_share_of_the_blocks_state_and_two_slots_of_one_block(ranks):
+    for n, block0, held, adam in ranks(4).run(memory_body):
+        # weights and gradients: 4 bytes per parameter / dp (rows padded to a multiple of dp: none here)
+        assert held["params"] == held["grads"] == 4 * n // 4, held
+        assert adam == held["adam_state"] == 8 * n // 4, (adam, held)
+        assert held["slots"] == (2 + 2) * 4 * block0, held  # two compute and two reduction slots of one block, fp32

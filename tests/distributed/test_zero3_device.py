@@ -1,0 +1,20 @@
+"""fsdp=zero3 on GPUs: over NCCL with real CUDA graphs (bf16 gathers, the side stream and its events
+captured). The CPU twins, the same bodies over gloo with the graphs' eager stand-in, are in
+test_zero3.py."""
+import pytest
+
+from tests.distributed.test_zero3 import equals_ddp_body
+
+pytestmark = pytest.mark.gpu
+
+LAYOUTS = pytest.mark.parametrize("world,tp", [(2, 1), (4, 2), (4, 1)], ids=["dp2", "dp2-tp2", "dp4"])
+
+
+@LAYOUTS
+def test_a_graphed_gpt_under_zero3_trains_like_the_eager_gpt_under_ddp(ranks, world, tp):
+    ranks(world).run(equals_ddp_body, tp, True)
+
+
+@LAYOUTS
+def test_an_eager_gpt_under_zero3_with_accumulation_trains_like_ddp(ranks, world, tp):
+    ranks(world).run(equals_ddp_body, tp, False, 2)
