@@ -216,8 +216,17 @@ class GraphedBlocks:
 
     def _backward(self) -> None:
         with self.dp_sync.gradient_hooks() if self.dp_sync is not None else contextlib.nullcontext():
-            self.input_grads = torch.autograd.grad(self.outputs, (self.static_x,) + self.params,
-                                                   self.static_grad_out, allow_unused=True)
+            self.input_grads = self._differentiate(self.outputs, self.static_grad_out)
+
+    def _differentiate(self, outputs, grads) -> Tuple[Optional[torch.Tensor], ...]:
+        """(d x, d each parameter) of the stack. Where the dp sync's hooks take every parameter gradient
+        (fsdp=zero3), they are not collected: the backward accumulates them into .grad, which the hooks
+        empty as they go, so that one block's gradients are alive at a time, not the whole stack's."""
+        if any(self.returned):
+            return torch.autograd.grad(outputs, (self.static_x,) + self.params, grads, allow_unused=True)
+        self.static_x.grad = None
+        torch.autograd.backward(outputs, grads, inputs=(self.static_x,) + self.params)
+        return (self.static_x.grad,) + (None,) * len(self.params)
 
     def _warm_up(self) -> None:
         """A few eager passes on a side stream, so lazy set-up (autotuning, cuBLAS handles, NCCL
@@ -228,8 +237,7 @@ class GraphedBlocks:
         with torch.cuda.stream(stream), _autocast(self.static_x.device.type, self.autocast_state):
             for _ in range(WARMUP_ITERS):
                 outs = self._run_blocks(self.static_x)
-                torch.autograd.grad(outs, (self.static_x,) + self.params, [torch.ones_like(o) for o in outs],
-                                    allow_unused=True)
+                self._differentiate(outs, [torch.ones_like(o) for o in outs])
         torch.cuda.synchronize()
 
     # ---- replay -----------------------------------------------------------------------------------

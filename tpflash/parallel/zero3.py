@@ -298,6 +298,9 @@ class ShardedBlocks:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         if i + 1 < L:
             self._swap(i + 1, use_leaves=False)
+        if i + 2 < L and self._pending[i + 2]:  # block i's gradients would overwrite block i + 2's unreduced ones
+            raise RuntimeError(f"fsdp=zero3: block {i + 2}'s parameter gradients were not all delivered before "
+                               f"block {i}'s backward began ({self._pending[i + 2]} missing)")
         self._ensure(i)
         if self.cuda and self._reduced_here[i % 2]:  # block i + 2's reduction still reads the reduction slot
             torch.cuda.current_stream().wait_event(self._events["reduced"][i % 2])
