@@ -118,3 +118,24 @@ def test_zero3_holds_a_dp_share_of_the_blocks_state_and_two_slots_of_one_block(r
         assert held["params"] == held["grads"] == 4 * n // 4, held
         assert adam == held["adam_state"] == 8 * n // 4, (adam, held)
         assert held["slots"] == (2 + 2) * 4 * block0, held  # two compute and two reduction slots of one block, fp32
+
+
+def refusals_body():
+    import torch.nn as nn
+    from tests.train.tiny_model import TinyConfig, TinyLM
+    ps = init_tp(1)
+    errors = []
+    for model in (TinyLM(TinyConfig(vocab_size=VOCAB, n_embd=8, block_size=16)), twins(_config(False), ps.device)[0]):
+        if hasattr(model, "blocks"):
+            model.blocks[2].mlp.extra = nn.Parameter(torch.zeros(3))  # one block unlike the others
+        try:
+            shard_blocks(model, ps)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_a_model_without_blocks_of_one_shape_is_refused_naming_why(ranks):
+    errors = ranks(1).run(refusals_body)[0]
+    assert errors == ["fsdp=zero3 shards a model's transformer blocks: this model has no `blocks`",
+                      "fsdp=zero3 needs blocks of one shape: block 2's parameters differ from block 0's"]
