@@ -262,6 +262,7 @@ class Zero3Optimizer:
         self.zero3, self.optimizer = zero3, optimizer
 
     def step(self):
+        self.zero3.wait_for_gradients()
         self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True):

@@ -46,6 +46,7 @@ def equals_ddp_body(tp, graphed, micro_batches=1, checkpointing=False, ffn_hidde
                     loss.backward()
                 losses.append(loss.detach().float())
             if forward is model:  # the hooks took every block gradient: none is kept whole on a leaf
+                sharded.wait_for_gradients()
                 assert all(t.grad is None for leaves in sharded.leaves for t in leaves.values())
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -219,10 +219,10 @@ class GraphedBlocks:
             self.input_grads = self._differentiate(self.outputs, self.static_grad_out)
 
     def _differentiate(self, outputs, grads) -> Tuple[Optional[torch.Tensor], ...]:
-        """(d x, d each parameter) of the stack. Where the dp sync's hooks take every parameter gradient
-        (fsdp=zero3), they are not collected: the backward accumulates them into .grad, which the hooks
-        empty as they go, so that one block's gradients are alive at a time, not the whole stack's."""
-        if any(self.returned):
+        """(d x, d each parameter) of the stack. Where the dp sync says not to collect the parameter
+        gradients (fsdp=zero3: its hooks take them), the backward accumulates them into .grad, which
+        its hooks empty as they go, so that one block's gradients are alive at a time, not the stack's."""
+        if getattr(self.dp_sync, "collect_gradients", True):
             return torch.autograd.grad(outputs, (self.static_x,) + self.params, grads, allow_unused=True)
         self.static_x.grad = None
         torch.autograd.backward(outputs, grads, inputs=(self.static_x,) + self.params)

@@ -56,9 +56,9 @@ class ShardedBlocks:
     Construct it on every rank once the blocks' weights are final and alike on every dp rank, before
     the optimizer (which then steps the sharded masters) and before any CUDA-graph capture.
     `compute_dtype`: the dtype of the gathered weights (bf16 under autocast on CUDA; default the
-    parameters' own). Per step: forward and backward (the hooks gather and reduce), the optimizer
-    step on the masters, `optimizer.zero_grad(set_to_none=True)`, then `new_step()` (micro-batches
-    accumulate until then, graphed or not). Collectives over the dp * cp group, inside the blocks'
+    parameters' own). Per step: forward and backward (the hooks gather and reduce),
+    `wait_for_gradients()`, the optimizer step on the masters, `optimizer.zero_grad(set_to_none=True)`,
+    then `new_step()` (micro-batches accumulate until then, graphed or not). Collectives over the dp * cp group, inside the blocks'
     forward and backward.
     """
 
@@ -293,6 +293,11 @@ class ShardedBlocks:
                                "parameter used in the forward")
 
     # ---- the step -----------------------------------------------------------------------------------
+    def wait_for_gradients(self) -> None:
+        """Make the current stream wait for the gradient reductions (they run on a side stream): call on
+        the thread that ran the backward, before anything reads the gradients. A no-op on CPU."""
+        self._join()
+
     def new_step(self) -> None:
         """After the optimizer step and zero_grad: the masters' gradients are this object's buffers again,
         zeroed; the backwards until the next new_step add to them."""
@@ -324,6 +329,7 @@ class GraphSync:
     so the graphs carry them."""
 
     cast_weights = False  # the gathered weights are in the compute dtype already
+    collect_gradients = False  # the hooks take each leaf's gradient and drop it: none is kept for the stack
 
     def __init__(self, sharded: ShardedBlocks):
         self.sharded = sharded
@@ -342,8 +348,11 @@ class GraphSync:
     def after_blocks(self) -> None:
         pass
 
+    @contextlib.contextmanager
     def gradient_hooks(self):
-        return contextlib.nullcontext()
+        """Around the captured backward: the capturing stream joins the side stream at its end."""
+        yield
+        self.sharded.wait_for_gradients()
 
     def backward_replayed(self) -> None:
         pass

@@ -249,6 +249,8 @@ class Trainer:
                 (loss / divisor).backward()
             loss_sum += loss.detach().float()
         self.sampler.advance(plan.batch_size)
+        if self.zero3 is not None:  # its reductions run on a side stream
+            self.zero3.wait_for_gradients()
         if self.zero is not None:  # each rank's own parameters' gradients, averaged over dp
             self.watch.enter("gradients")
             self.zero.reduce_gradients()
