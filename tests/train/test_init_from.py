@@ -86,3 +86,11 @@ def test_a_resumed_run_keeps_its_trained_weights_not_the_hugging_face_ones(ranks
                       checkpoint={"dir": str(tmp_path / "ckpt")})
     trained, resumed, step = ranks(1).run(train_then_restart_body, cfg)[0]
     assert step == 2 and resumed == trained
+
+
+def test_a_run_from_a_hugging_face_model_under_zero3_starts_at_its_loss(ranks, tmp_path):
+    # zero3 shards after the weights are in: each rank loads its whole tp-local model first
+    hf_dir = save_tiny_hf("llama", str(tmp_path / "llama"))
+    cfg = tiny_config(write_corpus(str(tmp_path)), tp=1, fsdp="zero3", model={"init_from": hf_dir})
+    for got, want in ranks(2).run(eval_against_hf_body, cfg):
+        assert abs(got - want) < 1e-4, f"eval loss {got} against the Hugging Face model's {want}"
