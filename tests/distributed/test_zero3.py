@@ -73,8 +73,10 @@ def test_zero3_accumulates_micro_batches_like_ddp(ranks, graphed):
     ranks(2).run(equals_ddp_body, 1, graphed, 2)
 
 
-def test_zero3_recomputes_checkpointed_blocks_with_their_gathered_weights(ranks):
-    ranks(2).run(equals_ddp_body, 1, False, 1, "full")
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+@pytest.mark.parametrize("checkpointing", ["full", "mlp"])
+def test_zero3_recomputes_checkpointed_blocks_with_their_gathered_weights(ranks, checkpointing, graphed):
+    ranks(2).run(equals_ddp_body, 1, graphed, 1, checkpointing)
 
 
 def test_rows_that_do_not_divide_by_dp_are_padded_and_train_like_ddp(ranks):
