@@ -324,7 +324,8 @@ class Trainer:
         out.note(f"layout: tp={ps.tp_size}{cp} dp={ps.dp_size} (world {ps.world_size}, {self.device.type}), "
                  f"fsdp={self.dp_mode}{self.dp_mode_why}, compute dtype {self.amp_dtype or torch.float32}"
                  f"{'' if fp8 == 'off' else f' (fp8 {fp8} GEMMs)'}, cuda graphs {self.cuda_graphs_why}"
-                 f"{', with the dp collectives of zero1' if self.zero is not None and self.zero.graph_sync else ''}")
+                 f"{', with the dp collectives of zero1' if self.zero is not None and self.zero.graph_sync else ''}"
+                 f"{', with the dp collectives of zero3' if self.zero3 is not None and self.cuda_graphs else ''}")
         out.note(f"model: {params / 1e6:.2f}M parameters, seq {self.seq_len}; batch {plan.batch_size} = dp {plan.dp}"
                  f" x accum {plan.grad_accum} x micro {plan.micro}; {len(self.train_data)} train / "
                  f"{len(self.eval_data) if self.eval_data else 0} eval sequences")
