@@ -1,4 +1,4 @@
-"""The trainer under context parallelism, with tpflash's GPT on CPU ranks in fp32: cp=2 (DDP or FSDP over
+"""The trainer under context parallelism, with tpflash's GPT on CPU ranks in fp32: cp=2 (DDP, FSDP or zero3 over
 the cp ranks), (cp=2, tp=2) and cp_comm=allgather follow the single-process curve; a checkpoint saved at
 one cp resumes at another and continues that curve; bad cp settings are one clear ValueError before
 any process group; the layout line names cp."""
@@ -89,7 +89,7 @@ def test_the_single_process_curve_learns_and_clips(single):
     assert max(norm for _, norm in single) > 1.0, "grad norms never exceed clip=1: clipping would go untested"
 
 
-@pytest.mark.parametrize("fsdp", ["off", "on"], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize("fsdp", ["off", "on", "zero3"], ids=["ddp", "fsdp", "zero3"])
 def test_cp2_follows_the_single_process_curve(ranks, corpus, single, fsdp):
     results = ranks(2).run(curve_body, gpt_config(corpus, cp=2, fsdp=fsdp))
     _assert_same_curve(results[0][0], single)
