@@ -3,7 +3,6 @@ manifests of the earlier one-digest-per-file format still checked."""
 import hashlib
 import json
 import os
-import warnings
 
 import pytest
 
@@ -13,12 +12,7 @@ from tpflash.checkpoint import integrity
 from tpflash.checkpoint.integrity import CheckpointCorruptError
 
 
-@pytest.fixture(autouse=True)
-def single_process():
-    tpflash.parallel.set_default_state(None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to save in a single process"
-        yield
+pytestmark = pytest.mark.usefixtures("single_process")
 
 
 def _sha256_blocks(data: bytes, block_bytes: int):

@@ -3,7 +3,6 @@ import os
 import random
 import shutil
 import threading
-import warnings
 
 import pytest
 import torch
@@ -15,12 +14,7 @@ from tpflash.checkpoint.api import WRITER_THREADS, writer_threads
 from tpflash.checkpoint.layout import Chunk
 
 
-@pytest.fixture(autouse=True)
-def single_process():
-    tpflash.parallel.set_default_state(None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to save in a single process"
-        yield
+pytestmark = pytest.mark.usefixtures("single_process")
 
 
 def _trained(steps=2):
