@@ -57,7 +57,7 @@ def test_a_live_holder_is_named_and_a_dead_one_taken_over_with_its_temps(tmp_pat
     with pytest.raises(CheckpointLockedError, match=f"pid {holder.pid}"):
         lock.acquire(root)
     os.makedirs(os.path.join(root, f".tmp-step_3-{os.uname().nodename}-{holder.pid}-0123abcd"))
-    os.makedirs(os.path.join(root, f".tmp-step_4-otherhost-1-0123abcd"))  # a live writer elsewhere: kept
+    os.makedirs(os.path.join(root, ".tmp-step_4-otherhost-1-0123abcd"))  # a live writer elsewhere: kept
     holder.kill()  # dies holding the lock
     holder.join()
     warned = []
