@@ -112,16 +112,13 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
             sync = getattr(model, "zero1", None)
             sync = sync.sync_in_graphs(model.blocks) if sync is not None and args.zero1_in_graphs == "on" else None
             zero3 = getattr(model, "zero3", None)
-            if zero3 is not None:  # its gathers and reductions are captured; FSDP2's root makes the sample input
-                sync = zero3.graph_sync()
-                model.unshard()
             with _overlap_setting(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
                                                           enabled=args.dtype == "bf16"):
-                model.capture_cuda_graphs(args.batch, args.seq, dp_sync=sync)
-            if zero3 is not None:
-                model.reshard()
-                zero3.new_step()
-            elif sync is not None:
+                if zero3 is not None:  # its gathers and reductions are captured too
+                    zero3.capture_cuda_graphs(model, args.batch, args.seq)
+                else:
+                    model.capture_cuda_graphs(args.batch, args.seq, dp_sync=sync)
+            if sync is not None:
                 model.zero1.use_graph_sync(sync)
         forward = model
         if ps.dp_size > 1 and args.dp_mode == "replicate":  # after the capture, as the trainer does

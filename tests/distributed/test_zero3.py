@@ -27,11 +27,8 @@ def equals_ddp_body(tp, graphed, micro_batches=1, checkpointing=False, ffn_hidde
     model, reference = twins(_config(tp > 1, ffn_hidden, activation_checkpointing=checkpointing), device)
     sharded = shard_blocks(model, ps, compute_dtype=torch.bfloat16 if device.type == "cuda" else None)
     if graphed:
-        model.unshard()
         with amp(device):
-            model.capture_cuda_graphs(BATCH, SEQ, dp_sync=sharded.graph_sync())
-        model.reshard()
-        sharded.new_step()
+            sharded.capture_cuda_graphs(model, BATCH, SEQ)
     ddp = replicate_over_dp(reference, ps)
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (model, reference)]
     tol = 2e-2 if device.type == "cuda" else 1e-5

@@ -306,6 +306,18 @@ class ShardedBlocks:
         for master, grad in self._grad_views:
             master.grad = grad
 
+    def capture_cuda_graphs(self, model: nn.Module, batch_size: int, seq_len: int) -> None:
+        """`model.capture_cuda_graphs(batch_size, seq_len)` with these blocks' gathers and reductions inside
+        the graphs (under the caller's autocast). FSDP2's root unit is unsharded meanwhile (the embedding
+        makes the capture's sample input); the capture's passes leave no gradient behind."""
+        root = model if hasattr(model, "unshard") else None
+        if root is not None:
+            root.unshard()
+        model.capture_cuda_graphs(batch_size, seq_len, dp_sync=self.graph_sync())
+        if root is not None:
+            root.reshard()
+        self.new_step()
+
     def graph_sync(self) -> "GraphSync":
         """What GraphedBlocks needs to capture these blocks (GPT.capture_cuda_graphs(..., dp_sync=)): the
         gathers and reductions are then part of the captured forward and backward."""

@@ -93,18 +93,16 @@ class Trainer:
         graphs also carry the dp reduce-scatters and all-gathers of the blocks' weights, overlapped
         with the blocks (tpflash.parallel.zero_graphs; with accumulation they stay after the backward);
         under zero3 they always do (tpflash.parallel.zero3)."""
+        if self.zero3 is not None:  # its gathers and reductions are always in the graphs
+            with build.autocast(self.device, self.amp_dtype):
+                self.zero3.capture_cuda_graphs(self.model, self.plan.micro, self.seq_len)
+            return
         sync = None
         if self.zero is not None and self.plan.grad_accum == 1 and self.ps.dp_cp_size > 1:
             sync = self.zero.sync_in_graphs(self.model.blocks)
-        if self.zero3 is not None:  # its gathers and reductions are always in the graphs
-            sync = self.zero3.graph_sync()
-            self.model.unshard()  # FSDP2's root unit: the embedding makes the capture's sample input
         with build.autocast(self.device, self.amp_dtype):
             self.model.capture_cuda_graphs(self.plan.micro, self.seq_len, **({"dp_sync": sync} if sync else {}))
-        if self.zero3 is not None:
-            self.model.reshard()
-            self.zero3.new_step()  # the capture's passes leave gradients behind
-        elif sync is not None:
+        if sync is not None:
             self.zero.use_graph_sync(sync)
 
     def _parameters_ready(self) -> None:
