@@ -16,8 +16,9 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
   in the backward, block i's slot is gathered again before its backward (the last two blocks still
   hold theirs), while block i + 1's backward computes;
 - gradients: a hook on each leaf copies its gradient (fp32) into a reduction slot; when a block's
-  last one is in, one reduce-scatter per parameter leaves this rank's rows of the sum, divided by
-  dp, in the block's gradient buffer, while the blocks before it compute theirs;
+  last one is in, one reduce-scatter per parameter adds this rank's rows of the sum, divided by dp,
+  to the block's gradient buffer (micro-batches accumulate until `new_step`), while the blocks
+  before it compute theirs;
 - the blocks' tp-partial-gradient parameters (norm weights under sequence parallelism: summed over
   tp in autograd at the end of the stack's backward) are sharded too, but gathered for all blocks at
   once at the start of the forward, kept until the next one (they are small), and reduced after
