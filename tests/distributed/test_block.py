@@ -104,7 +104,7 @@ def test_a_block_under_sp_takes_every_weight_cast_from_its_one_cast(ranks, tp):
     ranks(tp).run(cast_lookups_body, tp)
 
 
-@pytest.mark.parametrize("checkpoint", ["full", "mlp"])
+@pytest.mark.parametrize("checkpoint", ["full", "mlp", "selective"])
 def test_checkpointed_block_matches_reference(ranks, checkpoint):
     ranks(2).run(block_body, 2, "llama", True, checkpoint)
 
@@ -141,3 +141,38 @@ def test_full_checkpointing_replays_dropout_masks():
         grads.append([x.grad] + [p.grad for p in block.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def _op_counts(checkpoint):
+    """{op name: calls} over one forward and backward of a tp=1 Llama block with `checkpoint`."""
+    from collections import Counter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, checkpoint=checkpoint, **LLAMA)
+    x = torch.randn(8, 2, HIDDEN, requires_grad=True)
+    with Count() as count:
+        out, residual = block(x)
+        (out + residual).sum().backward()
+    return count.calls
+
+
+def test_selective_checkpointing_recomputes_the_norms_but_not_the_gemms():
+    kept, selective, full = _op_counts(None), _op_counts("selective"), _op_counts("full")
+    gemms = ("mm", "addmm", "bmm")
+    assert sum(selective[g] for g in gemms) == sum(kept[g] for g in gemms) < sum(full[g] for g in gemms)
+    assert selective["rsqrt"] == full["rsqrt"] > kept["rsqrt"], "the RMSNorms run again in the backward"
+
+
+def test_selective_checkpointing_refuses_dropout():
+    with pytest.raises(ValueError, match="checkpoint='selective' needs dropout=0, got dropout=0.1"):
+        ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, checkpoint="selective", dropout=0.1, **LLAMA)

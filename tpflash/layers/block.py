@@ -28,7 +28,25 @@ from .linear import InitMethod
 from .mlp import ParallelMLP
 from .norm import ParallelNorm
 
-CHECKPOINTING = (None, "full", "mlp")
+CHECKPOINTING = (None, "full", "mlp", "selective")
+
+# "selective" keeps these ops' outputs (the GEMMs and PyTorch's fused attention) and recomputes the rest
+# of the block (norms, activations, rotary, casts) in its backward: the GEMMs are most of a block's
+# compute and a fraction of its saved activations
+_KEPT_BY_SELECTIVE = tuple(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name))
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    return create_selective_checkpoint_contexts(_selective_policy)
 
 
 class ParallelTransformerBlock(nn.Module):
@@ -38,8 +56,9 @@ class ParallelTransformerBlock(nn.Module):
     out + residual (residual=None on the first block means x is the whole stream); finish the
     last block with `final_norm(out, residual)`. Layout: [seq, batch, hidden], or
     [seq/tp, batch, hidden] with sequence_parallel.
-    checkpoint: None, "full" (recompute the whole block in backward) or "mlp" (recompute the MLP
-    only, whose [seq, batch, ffn/tp] activations are the block's largest).
+    checkpoint: None, "full" (recompute the whole block in backward), "mlp" (recompute the MLP
+    only, whose [seq, batch, ffn/tp] activations are the block's largest) or "selective" (keep the
+    GEMMs' and fused attention's outputs, recompute the rest: norms, activations, rotary; dropout 0).
     Attention options (head_dim, qkv_bias, qk_norm, rope_scaling, max_positions, and context parallelism's
     cp_group and cp_comm) are ParallelAttention's; fp8 (the projections' GEMMs) goes to attention and MLP;
     forward's keyword arguments (position_ids, cu_seqlens, max_seqlen: packed documents) go to it.
@@ -61,6 +80,9 @@ class ParallelTransformerBlock(nn.Module):
             raise ValueError(f"checkpoint={checkpoint!r} must be one of {CHECKPOINTING}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout={dropout} must be in [0, 1)")
+        if checkpoint == "selective" and dropout:
+            raise ValueError(f"checkpoint='selective' needs dropout=0, got dropout={dropout}: its recomputation "
+                             "would draw other masks (use 'full', which replays the random streams)")
         self.process_group = resolve_tp_group(process_group)
         self.sequence_parallel, self.dropout, self.checkpoint = sequence_parallel, dropout, checkpoint
         self.rng_tracker = rng_tracker or RNGTracker(tp_rank=group_rank(self.process_group))
@@ -120,6 +142,9 @@ class ParallelTransformerBlock(nn.Module):
         attn_kw = {}
         if position_ids is not None or cu_seqlens is not None:  # packed documents (ParallelAttention.forward)
             attn_kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if self.checkpoint == "selective" and torch.is_grad_enabled():
+            return torch_checkpoint(self._forward, x, residual, use_reentrant=False, preserve_rng_state=False,
+                                    context_fn=_selective_contexts, **attn_kw)
         if self.checkpoint == "full" and torch.is_grad_enabled():
             if not self.dropout:  # nothing random to replay (and CUDA graph capture may not read RNG states)
                 return torch_checkpoint(self._forward, x, residual, use_reentrant=False, preserve_rng_state=False,

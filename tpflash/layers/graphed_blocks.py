@@ -138,6 +138,9 @@ class GraphedBlocks:
         check_graphable(blocks, self.params)
         self.blocks = list(blocks)
         self.dp_sync = dp_sync
+        # selective recomputation replays each op of a block's forward and must meet the same ones in its
+        # backward, where no stack-wide cast or gradient bucket is open: each block keeps its own then
+        self.stack_scopes = not any(getattr(b, "checkpoint", None) == "selective" for b in self.blocks)
         device = sample_x.device
         # the gradients dp_sync's hooks write in place inside the backward graph: not returned
         taken = dp_sync.hooked if dp_sync is not None else frozenset()
@@ -197,7 +200,8 @@ class GraphedBlocks:
         one tp group: the captured backward then sums them all in one all-reduce, at its end, rather
         than one per block (the blocks' own buckets find their parameters already held)."""
         groups = {id(getattr(b, "process_group", None)) for b in self.blocks}
-        if len(groups) != 1 or not all(hasattr(b, "tp_partial_grad_parameters") for b in self.blocks):
+        if (not self.stack_scopes or len(groups) != 1
+                or not all(hasattr(b, "tp_partial_grad_parameters") for b in self.blocks)):
             return contextlib.nullcontext()
         params = [p for b in self.blocks for p in b.tp_partial_grad_parameters()]
         return comm.tp_grad_bucket(params, self.blocks[0].process_group)
@@ -206,7 +210,7 @@ class GraphedBlocks:
         """One weight_casts.cast_once for `blocks`' weights (all of the stack's, unless their all-gathers
         are waited for block by block): a few multi-tensor copy kernels instead of one small cast
         kernel per weight."""
-        if not all(hasattr(b, "weight_cast_groups") for b in blocks):
+        if not self.stack_scopes or not all(hasattr(b, "weight_cast_groups") for b in blocks):
             return contextlib.nullcontext()
         groups = [g for b in blocks for g in b.weight_cast_groups()]
         return weight_casts.cast_once(groups, weight_casts.compute_dtype(x))
