@@ -1,6 +1,6 @@
 """model.init_from streams into FSDP shards (fsdp=on at dp=2 x tp=2 starts at the Hugging Face model's
-loss), and checkpoint.export_hf writes, at the end of training, a directory transformers loads
-with the trained model's logits and the source's tokenizer files."""
+loss), and checkpoint.export_hf writes, at the end of training (under FSDP or zero3), a directory
+transformers loads with the trained model's logits and the source's tokenizer files."""
 import os
 
 import pytest
@@ -31,13 +31,14 @@ def train_and_export_body(cfg):
         return comm.all_gather(trainer.model(idx), -1, trainer.ps.tp_group)[..., :VOCAB]
 
 
-def test_training_ends_with_a_hugging_face_export(ranks, tmp_path):
+@pytest.mark.parametrize("fsdp", ["on", "zero3"])
+def test_training_ends_with_a_hugging_face_export(ranks, tmp_path, fsdp):
     import transformers
     hf_dir = save_tiny_hf("gpt2", str(tmp_path / "gpt2"))
     with open(os.path.join(hf_dir, "tokenizer_config.json"), "w") as f:
         f.write("{}")  # stands for the source's tokenizer files, which the export copies
     out = str(tmp_path / "export")
-    cfg = tiny_config(write_corpus(str(tmp_path)), tp=2, fsdp="on",
+    cfg = tiny_config(write_corpus(str(tmp_path)), tp=2, fsdp=fsdp,
                       model={"init_from": hf_dir}, checkpoint={"export_hf": out}, train={"steps": 2})
     logits = ranks(4).run(train_and_export_body, cfg)[0]
     assert os.path.isfile(os.path.join(out, "tokenizer_config.json"))
