@@ -82,6 +82,32 @@ def _issue_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group) -> dist.Wor
     return reduce_scatter_single(out, x, group=group, async_op=True)
 
 
+_PG_COALESCED = all(hasattr(dist.ProcessGroup, m)
+                    for m in ("allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"))
+
+
+def all_gather_many(outs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], group: ProcessGroup) -> None:
+    """outs[i] <- every rank's xs[i] concatenated in rank order (world * xs[i].numel() elements), for
+    every i, as ONE grouped collective (NCCL: one launch); waits (the current stream, on CUDA)."""
+    if _PG_COALESCED and group is not None:
+        group.allgather_into_tensor_coalesced(list(outs), list(xs)).wait()
+        return
+    for out, x in zip(outs, xs):
+        _issue_all_gather(out, x, group).wait()
+
+
+def reduce_scatter_many(outs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], group: ProcessGroup) -> None:
+    """outs[i] <- this rank's block of the sum over ranks of xs[i], for every i, as ONE grouped
+    collective; waits (the current stream, on CUDA)."""
+    if _PG_COALESCED and group is not None:
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        group.reduce_scatter_tensor_coalesced(list(outs), list(xs), opts).wait()
+        return
+    for out, x in zip(outs, xs):
+        _issue_reduce_scatter(out, x, group).wait()
+
+
 def _through_peers(x: torch.Tensor, group: ProcessGroup) -> bool:
     return peer_collectives.use_copy_engine(x, group)
 

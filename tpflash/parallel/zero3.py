@@ -12,11 +12,13 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
 - compute: two buffers ("slots") of one block's unsharded parameters in the compute dtype; block i
   uses slot i % 2. Each block parameter has a leaf tensor that views its place in its block's slot,
   and while the block runs its modules hold those leaves in place of the masters. Before block i
-  runs forward, its shards are all-gathered into its slot (block i + 1's while block i computes);
+  runs forward, its shards are all-gathered into its slot (one grouped all-gather per block; block
+  i + 1's while block i computes);
   in the backward, block i's slot is gathered again before its backward (the last two blocks still
   hold theirs), while block i + 1's backward computes;
 - gradients: a hook on each leaf copies its gradient (fp32) into a reduction slot; when a block's
-  last one is in, one reduce-scatter per parameter adds this rank's rows of the sum, divided by dp,
+  last one is in, one grouped reduce-scatter (a collective per parameter, one launch) adds this
+  rank's rows of the sum, divided by dp,
   to the block's gradient buffer (micro-batches accumulate until `new_step`), while the blocks
   before it compute theirs;
 - the blocks' tp-partial-gradient parameters (norm weights under sequence parallelism: summed over
@@ -44,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .comm import _issue_all_gather, _issue_reduce_scatter
+from .comm import all_gather_many, reduce_scatter_many
 from .state import ParallelState
 from .zero3_layout import Piece, block_parameters, layout, module_and_name
 
@@ -172,13 +174,12 @@ class ShardedBlocks:
             self._staging[kind].copy_(source)
             source = self._staging[kind]
         out = self._writable[kind][slot]
-        for piece in self.pieces[kind]:
-            full = out[piece.full_start:piece.full_end]
-            shard = source[piece.shard_start:piece.shard_start + piece.shard_numel]
-            if self.ranks == 1:
-                full.copy_(shard)
-            else:
-                _issue_all_gather(full, shard, self.group).wait()
+        fulls = [out[piece.full_start:piece.full_end] for piece in self.pieces[kind]]
+        shards = [source[piece.shard_start:piece.shard_start + piece.shard_numel] for piece in self.pieces[kind]]
+        if self.ranks == 1:
+            torch._foreach_copy_(fulls, shards)
+        elif fulls:
+            all_gather_many(fulls, shards, self.group)
 
     def _prefetch(self, block: int) -> None:
         """Start gathering block `block`'s main parameters into its slot, unless it holds them for this pass."""
@@ -271,13 +272,12 @@ class ShardedBlocks:
             for i in blocks:
                 slot = i % 2 if kind == "main" else i
                 out = self._scratch[kind]  # one per kind: the reductions follow each other on one stream
-                for piece in self.pieces[kind]:
-                    full = self.reduce_slots[kind][slot][piece.full_start:piece.full_end]
-                    shard = out[piece.shard_start:piece.shard_start + piece.shard_numel]
-                    if self.ranks == 1:
-                        shard.copy_(full)
-                    else:
-                        _issue_reduce_scatter(shard, full, self.group).wait()
+                fulls = [self.reduce_slots[kind][slot][piece.full_start:piece.full_end] for piece in self.pieces[kind]]
+                shards = [out[piece.shard_start:piece.shard_start + piece.shard_numel] for piece in self.pieces[kind]]
+                if self.ranks == 1:
+                    torch._foreach_copy_(shards, fulls)
+                elif fulls:
+                    reduce_scatter_many(shards, fulls, self.group)
                 self.grad[kind][i].add_(out, alpha=1.0 / self.ranks)
             if self.cuda and kind == "main":
                 self._events["reduced"][blocks[0] % 2].record()
