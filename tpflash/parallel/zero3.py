@@ -61,8 +61,8 @@ class ShardedBlocks:
     `compute_dtype`: the dtype of the gathered weights (bf16 under autocast on CUDA; default the
     parameters' own). Per step: forward and backward (the hooks gather and reduce),
     `wait_for_gradients()`, the optimizer step on the masters, `optimizer.zero_grad(set_to_none=True)`,
-    then `new_step()` (micro-batches accumulate until then, graphed or not). Collectives over the dp * cp group, inside the blocks'
-    forward and backward.
+    then `new_step()` (micro-batches accumulate until then, graphed or not). Collectives over the
+    dp * cp group, inside the blocks' forward and backward.
     """
 
     def __init__(self, model: nn.Module, ps: ParallelState, compute_dtype: Optional[torch.dtype] = None):

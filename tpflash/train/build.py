@@ -240,12 +240,12 @@ def use_cuda_graphs(cfg: TrainConfig, model: nn.Module, device: torch.device, dp
     collectives from Python takes longer than the GPUs take to run them (docs/performance.md,
     "End-to-end, two H200s"), and at tp=1 with dp=1, where the graphs measured as fast or faster than
     the eager step (+1-3% on gpt-1.3b and llama-1b, more where the host stalls; "CUDA graphs in the
-    trainer"). At
-    tp=1 with dp > 1 under DDP (dp_mode "off") it stays eager: DDP's all-reduces then run during the
-    eager backward, whereas a graphed backward hands DDP every gradient at its end; zero1 and zero3
-    reduce inside the graphed backward (zero1 with one micro-batch per step), so they keep the graphs. on: wherever possible (CPU runs an eager
-    stand-in), ValueError naming what stands in the way. Packed fine-tuning data (data.format=jsonl)
-    always runs eager: auto is off, on a ValueError.
+    trainer"). At tp=1 with dp > 1 under DDP (dp_mode "off") it stays eager: DDP's all-reduces then
+    run during the eager backward, whereas a graphed backward hands DDP every gradient at its end;
+    zero1 and zero3 reduce inside the graphed backward (zero1 at one micro-batch per step, else after
+    it), so they keep the graphs. on: wherever possible (CPU runs an eager stand-in), ValueError
+    naming what stands in the way. Packed fine-tuning data (data.format=jsonl) always runs eager:
+    auto is off, on a ValueError.
     """
     if cfg.cuda_graphs == "off":
         return False, "off"
