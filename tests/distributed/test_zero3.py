@@ -139,3 +139,23 @@ def test_a_model_without_blocks_of_one_shape_is_refused_naming_why(ranks):
     errors = ranks(1).run(refusals_body)[0]
     assert errors == ["fsdp=zero3 shards a model's transformer blocks: this model has no `blocks`",
                       "fsdp=zero3 needs blocks of one shape: block 2's parameters differ from block 0's"]
+
+
+def unused_body():
+    import torch.nn as nn
+    ps = init_tp(1)
+    model, _ = twins(_config(False), ps.device)
+    for block in model.blocks:  # a parameter no forward uses
+        block.mlp.unused = nn.Parameter(torch.zeros(3))
+    shard_blocks(model, ps)
+    idx, targets = batch(0, ps.device)
+    try:
+        model(idx, targets).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_block_parameter_without_a_gradient_fails_the_backward_naming_the_rule(ranks):
+    error = ranks(2).run(unused_body)[0]
+    assert error and "got no gradient" in error and "fsdp=zero3 needs every block parameter used" in error

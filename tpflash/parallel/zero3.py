@@ -50,6 +50,8 @@ from .comm import all_gather_many, reduce_scatter_many
 from .state import ParallelState
 from .zero3_layout import Piece, block_parameters, layout, module_and_name
 
+_EVERY_PARAMETER_USED = ("fsdp=zero3 needs every block parameter used in the forward (a block's gradients are reduced "
+                         "once all of them have arrived)")
 KINDS = ("main", "partial")  # double-buffered per block / gathered for all blocks at once
 
 
@@ -241,8 +243,8 @@ class ShardedBlocks:
         if i + 1 < n:
             self._swap(i + 1, use_leaves=False)
         if i + 2 < n and self._pending[i + 2]:  # block i's gradients would overwrite block i + 2's unreduced ones
-            raise RuntimeError(f"fsdp=zero3: block {i + 2}'s parameter gradients were not all delivered before "
-                               f"block {i}'s backward began ({self._pending[i + 2]} missing)")
+            raise RuntimeError(f"{self._pending[i + 2]} parameter(s) of block {i + 2} got no gradient before block "
+                               f"{i}'s backward began: {_EVERY_PARAMETER_USED}")
         self._ensure(i)
         if self._reduced_here[i % 2]:  # block i + 2's reduction still reads the reduction slot
             torch.cuda.current_stream().wait_event(self._events["reduced"][i % 2])
@@ -290,8 +292,7 @@ class ShardedBlocks:
         self._swap(0, use_leaves=False)
         missing = sum(self._pending) + self._pending_partial
         if missing:  # every rank runs the same blocks: all raise here alike
-            raise RuntimeError(f"{missing} block parameter(s) got no gradient: fsdp=zero3 needs every block "
-                               "parameter used in the forward")
+            raise RuntimeError(f"{missing} block parameter(s) got no gradient: {_EVERY_PARAMETER_USED}")
 
     # ---- the step -----------------------------------------------------------------------------------
     def wait_for_gradients(self) -> None:
