@@ -11,7 +11,7 @@ H100 = 80 * GIB
 
 
 @pytest.mark.parametrize("dp", [1, 4])
-@pytest.mark.parametrize("setting", ["on", "off", "zero1"])
+@pytest.mark.parametrize("setting", ["on", "off", "zero1", "zero3"])
 def test_an_explicit_setting_is_obeyed_at_any_dp(dp, setting):
     assert fsdp_choice(setting, dp, 10**12, H100) == (setting, "")
 
