@@ -125,11 +125,11 @@ dp() {  # the ways of holding the model over dp, on 2 or 4 GPUs, beside torchtit
   e2e="$e2e --warmup 3 --results $OUT/bench_dp.jsonl ${PROFILE:+--profile}"
   for tp in ${TPS:-1 $([ "$nproc" -ge 4 ] && echo 2)}; do
     echo "== training step, $nproc GPUs, tp=$tp x dp=$((nproc / tp)): zero1, zero3, DDP, FSDP2, torchtitan =="
-    # zero1 and zero3 graphed (their dp collectives inside the graphs), DDP (eager: the trainer's choice at
+    # zero1 and zero3 graphed (their dp collectives inside the graphs; zero3 eager too), DDP (eager: the trainer's choice at
     # tp=1; graphed), FSDP2 eager, torchtitan (FSDP2, and TP at tp > 1)
     local ddp="tpflash-graphs@replicate$([ "$tp" = 1 ] && echo ,tpflash@replicate)"
     timeout ${RUN_TIMEOUT:-290} $RUN --nproc_per_node=$nproc $e2e --tp $tp \
-      --impls ${IMPLS:-tpflash-graphs@zero1,tpflash-graphs@zero3,$ddp,tpflash@fsdp,torchtitan@fsdp} 2>&1 \
+      --impls ${IMPLS:-tpflash-graphs@zero1,tpflash-graphs@zero3,tpflash@zero3,$ddp,tpflash@fsdp,torchtitan@fsdp} 2>&1 \
       | grep "bench_e2e\]\|Error"
   done
   python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_dp.jsonl" --table "$OUT/table_dp.md"
