@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The trainer in each way of holding the model over dp (fsdp=on: FSDP2, eager blocks; zero1: AdamW's
-# state sharded, CUDA-graphed blocks; off: replicated, DDP), on byte-level text from the standard library.
+# state sharded, CUDA-graphed blocks; zero3: everything sharded, CUDA-graphed blocks; off: replicated,
+# DDP), on byte-level text from the standard library.
 #   OUT=<dir> [PRESET=gpt-1.3b] [VOCAB=50304] [NPROC=4] [TP=2] [MODES="on zero1 off"] [MICRO=4] [SEQ=2048] \
 #     [STEPS=40] bash benchmarks/dp_layouts.sh [extra trainer overrides]
 # Each run: PRESET's model (tpflash.models.config presets, e.g. llama-1b, or llama-3-8b with VOCAB=128256)
