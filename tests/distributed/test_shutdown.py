@@ -33,22 +33,22 @@ def test_released_graphs_let_the_groups_be_destroyed_on_cpu_ranks():
     assert done.returncode == 0 and done.stdout.count("destroyed") == 2, done.stdout[-2000:] + done.stderr[-3000:]
 
 
-def test_a_destruction_that_hangs_ends_the_process_with_the_given_status_after_the_wait():
+def _hung_shutdown(arguments: str) -> subprocess.CompletedProcess:
+    """A process whose group destruction never returns, calling parallel.shutdown(<arguments>)."""
     script = ("import time, torch.distributed as dist; from tpflash import parallel; parallel.init(tp=1); "
-              "dist.destroy_process_group = lambda: time.sleep(600); "
-              "parallel.shutdown(exit_after_s=1, exit_status=3)")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+              f"dist.destroy_process_group = lambda: time.sleep(600); parallel.shutdown({arguments})")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**CLEAN_ENV, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_a_destruction_that_hangs_ends_the_process_with_the_given_status_after_the_wait():
+    done = _hung_shutdown("exit_after_s=1, exit_status=3")
     assert done.returncode == 3, done.stderr[-2000:]
     assert done.stdout.count("destroying the process groups did not finish within 1 s") == 1, done.stdout
 
 
 def test_a_hung_destruction_prints_the_last_words_before_it_exits():
-    script = ("import time, torch.distributed as dist; from tpflash import parallel; parallel.init(tp=1); "
-              "dist.destroy_process_group = lambda: time.sleep(600); "
-              "parallel.shutdown(exit_after_s=1, exit_status=1, last_words='error: data.path=x does not exist')")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**CLEAN_ENV, "CUDA_VISIBLE_DEVICES": ""})
+    done = _hung_shutdown("exit_after_s=1, exit_status=1, last_words='error: data.path=x does not exist'")
     assert done.returncode == 1 and done.stderr.count("error: data.path=x does not exist") == 1, done.stderr[-2000:]
 
 
