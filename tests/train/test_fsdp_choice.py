@@ -1,4 +1,5 @@
-"""fsdp=auto: zero1 (AdamW state sharded, weights replicated) where that fits in half the device, else FSDP."""
+"""fsdp=auto: zero3 (everything sharded, blocks graphed) on CUDA at tp=1; elsewhere zero1 (AdamW state sharded,
+weights replicated) where that fits in half the device, else FSDP."""
 import pytest
 
 from tests.train.common import tiny_config, write_corpus
@@ -18,6 +19,23 @@ def test_an_explicit_setting_is_obeyed_at_any_dp(dp, setting):
 
 def test_auto_never_shards_a_single_replica():
     assert fsdp_choice("auto", 1, 10**12, H100) == ("off", " (auto: dp=1)")
+
+
+def test_auto_holds_the_model_with_zero3_where_nothing_blocks_it():
+    mode, why = fsdp_choice("auto", 2, 8_000_000_000, H100, zero3_blocker=None)
+    assert mode == "zero3" and "tp=1 on CUDA" in why, why
+
+
+def test_zero3_is_left_to_explicit_requests_on_cpu_and_at_tp_above_one():
+    import torch
+    from tpflash.models import GPT, GPTConfig
+    from tpflash.train.build import zero3_blocker
+    from tpflash.train.config import TrainConfig
+    model = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4),
+                device=torch.device("meta"))
+    assert zero3_blocker(TrainConfig(), model, torch.device("cpu")) == "CPU"
+    assert zero3_blocker(TrainConfig(), model, torch.device("cuda")) is None
+    assert zero3_blocker(TrainConfig(tp=2), model, torch.device("cuda")) == "tp=2, cp=1"
 
 
 def test_auto_shards_the_optimizer_state_where_weights_and_gradients_fit_in_half_the_device():

@@ -168,21 +168,47 @@ def agreed_fsdp_inputs(model: nn.Module, ps) -> Tuple[int, int]:
     return int(both[0]), -int(both[1])
 
 
-def fsdp_choice(setting: str, dp: int, local_params: int, memory: int) -> Tuple[str, str]:
+def zero3_blocker(cfg: TrainConfig, model: nn.Module, device: torch.device) -> Optional[str]:
+    """Why fsdp=auto does not hold this run's model with zero3, or None where it does: on CUDA at tp=1
+    and cp=1, with the blocks CUDA-graphed (cuda_graphs not off, no packed documents), without fp8,
+    for a model whose blocks zero3 can shard (one shape, plain parameters). That is where it was
+    measured faster and smaller than zero1, DDP and FSDP2 (docs/performance.md, "Sharded data
+    parallelism"); tp > 1 and fp8 under zero3 run when asked for."""
+    from ..parallel.zero3_layout import block_parameters
+    from .data import token_format
+    if device.type != "cuda":
+        return "CPU"
+    if cfg.tp > 1 or cfg.cp > 1:
+        return f"tp={cfg.tp}, cp={cfg.cp}"
+    if cfg.cuda_graphs == "off" or token_format(cfg.data) == "jsonl":
+        return "blocks not CUDA-graphed"
+    if getattr(getattr(model, "config", None), "fp8", "off") != "off":
+        return "fp8"
+    try:
+        block_parameters(list(getattr(model, "blocks", [])))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def fsdp_choice(setting: str, dp: int, local_params: int, memory: int, zero3_blocker: Optional[str] = "") -> Tuple[str, str]:
     """(how the dp ranks hold the model: "off" | "zero1" | "zero3" | "on", why: "" when set explicitly).
 
     off: replicated, gradients all-reduced by DDP. zero1: parameters and gradients replicated,
     AdamW's state sharded over dp (tpflash.parallel.zero; 8 + 8/dp bytes per parameter). zero3: the
     blocks' weights, gradients and state sharded, gathered into two static slots so that the blocks
-    stay CUDA-graphed (tpflash.parallel.zero3; 16/dp bytes per parameter); only when asked for. on:
-    FSDP2, everything sharded. auto, at dp > 1: zero1 where its state takes at most half of `memory`, else
-    FSDP. zero1 keeps the CUDA-graphed blocks that FSDP turns off, and its step is as fast as DDP's
-    with less memory (docs/performance.md, "Sharded data parallelism"). Every rank must pass the same
-    numbers (agreed_fsdp_inputs), so that all choose alike."""
+    stay CUDA-graphed (tpflash.parallel.zero3; 16/dp bytes per parameter). on: FSDP2, everything
+    sharded. auto, at dp > 1: zero3 where `zero3_blocker` (build.zero3_blocker) is None; else zero1
+    where its state takes at most half of `memory`, else FSDP. zero3 and zero1 keep the CUDA-graphed
+    blocks that FSDP turns off; zero3 measured fastest with the least memory of all four at tp=1,
+    zero1 as fast as DDP with less memory (docs/performance.md, "Sharded data parallelism"). Every
+    rank must pass the same numbers (agreed_fsdp_inputs), so that all choose alike."""
     if setting != "auto":
         return setting, ""
     if dp == 1:
         return "off", " (auto: dp=1)"
+    if zero3_blocker is None:
+        return "zero3", " (auto: tp=1 on CUDA: every block's state sharded, the blocks CUDA-graphed)"
     from ..parallel.zero import bytes_per_param
     state = bytes_per_param(dp) * local_params
     where = (f"weights and gradients + 1/{dp} of AdamW's state {state / 2**30:.2f} GiB per rank, "
