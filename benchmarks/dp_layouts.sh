@@ -2,7 +2,7 @@
 # The trainer in each way of holding the model over dp (fsdp=on: FSDP2, eager blocks; zero1: AdamW's
 # state sharded, CUDA-graphed blocks; zero3: everything sharded, CUDA-graphed blocks; off: replicated,
 # DDP), on byte-level text from the standard library.
-#   OUT=<dir> [PRESET=gpt-1.3b] [VOCAB=50304] [NPROC=4] [TP=2] [MODES="on zero1 off"] [MICRO=4] [SEQ=2048] \
+#   OUT=<dir> [PRESET=gpt-1.3b] [VOCAB=50304] [NPROC=4] [TP=2] [MODES="zero3 zero1 on off"] [MICRO=4] [SEQ=2048] \
 #     [STEPS=40] bash benchmarks/dp_layouts.sh [extra trainer overrides]
 # Each run: PRESET's model (tpflash.models.config presets, e.g. llama-1b, or llama-3-8b with VOCAB=128256)
 # with a VOCAB-wide embedding and head (the byte tokenizer uses the first 256 ids), MICRO x SEQ
@@ -17,7 +17,7 @@ NPROC=${NPROC:-4}
 TP=${TP:-2}
 MICRO=${MICRO:-4}
 nvidia-smi -L
-for fsdp in ${MODES:-on zero1 off}; do
+for fsdp in ${MODES:-zero3 zero1 on off}; do
   timeout "${RUN_TIMEOUT:-280}" $RUN --nproc_per_node="$NPROC" -m tpflash.train --config llama-style \
     --model.preset="${PRESET:-gpt-1.3b}" --model.vocab_size="${VOCAB:-50304}" --tp="$TP" --fsdp=$fsdp --data.path=@stdlib --data.include='*.py' \
     --data.format=text --data.tokenizer=byte --data.max_bytes=20000000 --data.seq_len="${SEQ:-2048}" \

@@ -11,8 +11,9 @@
 #                                     tp=2 (tpflash-graphs, i.e. the library's defaults: the copy-engine
 #                                     overlap where the GPUs map each other's memory; tpflash-graphs-serial;
 #                                     dtensor-compile)
-#   bash scripts/gpu_check.sh train   the trainer at tp=2 on 2 GPUs (--config demo): CUDA graphs on for
-#                                     60 steps, checkpointed, then resumed to 100
+#   bash scripts/gpu_check.sh train   the trainer on 2 GPUs (--config demo) at tp=2 and at tp=1 x dp=2
+#                                     (fsdp=auto: zero3): CUDA graphs on for 60 steps, checkpointed, then
+#                                     resumed to 100
 #   bash scripts/gpu_check.sh fp8     one GPU: the gpu-marked fp8 tests (fused casts against quantize bit for
 #                                     bit, the _scaled_mm layers, CUDA-graph capture), then the casts' bandwidth
 #                                     (benchmarks/fp8_cast.py)
@@ -21,11 +22,12 @@
 #                                     and Liger; their wheels from .whl/ (scripts/gpu_wheels.sh) where present
 #   bash scripts/gpu_check.sh fp8-accuracy  one GPU: benchmarks/fp8_accuracy.sh (bf16 and each recipe, 1,000
 #                                     steps of a 1B model; MODES= picks runs), then its table and PNG
-#   bash scripts/gpu_check.sh dp      2 or 4 GPUs: zero1 against DDP over NCCL (NO_TESTS=1 skips it), then the
+#   bash scripts/gpu_check.sh dp      2 or 4 GPUs: zero1 against DDP and zero3 against FSDP2 over NCCL (NO_TESTS=1 skips them), then the
 #                                     training step of $MODELS (default llama-1b; BATCH sequences per rank,
 #                                     default 4) at tp=1 x dp=N (and tp=2 x dp=2 on 4 GPUs; TPS= picks) in each
-#                                     way of holding the model over dp, one launch per layout (zero1 graphed
-#                                     with its dp collectives inside the graphs; DDP graphed and, at tp=1,
+#                                     way of holding the model over dp, one launch per layout (zero1 and zero3
+#                                     graphed with their dp collectives inside the graphs, zero3 eager too;
+#                                     DDP graphed and, at tp=1,
 #                                     eager; FSDP2 eager; IMPLS= picks, as bench_e2e's impl@dp-mode list)
 #                                     beside torchtitan (FSDP2, TP), its wheels from .whl/ where present;
 #                                     PROFILE=1 adds each row's communication and exposed time
@@ -76,13 +78,16 @@ bench() {
 
 train() {
   [ "$GPUS" -ge 2 ] || { echo "train needs 2 GPUs"; return 1; }
-  local ck=$OUT/ckpt
-  local t="$RUN --nproc_per_node=2 -m tpflash.train --config demo --tp=2 --cuda_graphs=on"
-  t="$t --log.sample_tokens=0 --log.progress=lines --checkpoint.dir=$ck --log.dir=$OUT/train"
-  rm -rf "$ck"
-  echo "== trainer, tp=2, CUDA graphs on: 60 steps, then resumed to 100 =="
-  timeout 150 $t --train.steps=60 2>&1 | grep "layout\|step 60\|Error"
-  timeout 150 $t --train.steps=100 2>&1 | grep "resumed\|step 100\|Error"
+  local tp ck
+  for tp in 2 1; do  # tp=2 (graphs on); tp=1 x dp=2, where fsdp=auto picks zero3
+    ck=$OUT/ckpt_tp$tp
+    local t="$RUN --nproc_per_node=2 -m tpflash.train --config demo --tp=$tp --cuda_graphs=on"
+    t="$t --log.sample_tokens=0 --log.progress=lines --checkpoint.dir=$ck --log.dir=$OUT/train_tp$tp"
+    rm -rf "$ck"
+    echo "== trainer, tp=$tp on 2 GPUs, CUDA graphs on: 60 steps, then resumed to 100 =="
+    timeout 150 $t --train.steps=60 2>&1 | grep "layout\|step 60\|Error"
+    timeout 150 $t --train.steps=100 2>&1 | grep "resumed\|step 100\|Error"
+  done
 }
 
 fp8() {
@@ -116,7 +121,7 @@ dp() {  # the ways of holding the model over dp, on 2 or 4 GPUs, beside torchtit
   [ "$GPUS" -ge 2 ] || { echo "dp needs 2 GPUs"; return 1; }
   peer_wheels
   if [ -z "${NO_TESTS:-}" ]; then
-    echo "== zero1 and zero3 against DDP over NCCL =="
+    echo "== over NCCL: zero1 against DDP, zero3 against FSDP2 in bf16 =="
     timeout 300 $PYTEST tests/distributed/test_zero_device.py tests/distributed/test_zero3_device.py 2>&1 \
       | tee "$OUT/zero_nccl.log" | tail -5
   fi
@@ -129,7 +134,7 @@ dp() {  # the ways of holding the model over dp, on 2 or 4 GPUs, beside torchtit
     # tp=1; graphed), FSDP2 eager, torchtitan (FSDP2, and TP at tp > 1)
     local ddp="tpflash-graphs@replicate$([ "$tp" = 1 ] && echo ,tpflash@replicate)"
     timeout ${RUN_TIMEOUT:-290} $RUN --nproc_per_node=$nproc $e2e --tp $tp \
-      --impls ${IMPLS:-tpflash-graphs@zero1,tpflash-graphs@zero3,tpflash@zero3,$ddp,tpflash@fsdp,torchtitan@fsdp} 2>&1 \
+      --impls ${IMPLS:-torchtitan@fsdp,tpflash@fsdp,$ddp,tpflash-graphs@zero1,tpflash@zero3,tpflash-graphs@zero3} 2>&1 \
       | grep "bench_e2e\]\|Error"
   done
   python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench_dp.jsonl" --table "$OUT/table_dp.md"

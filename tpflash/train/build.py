@@ -173,7 +173,7 @@ def zero3_blocker(cfg: TrainConfig, model: nn.Module, device: torch.device) -> O
     and cp=1, with the blocks CUDA-graphed (cuda_graphs not off, no packed documents), without fp8,
     for a model whose blocks zero3 can shard (one shape, plain parameters). That is where it was
     measured faster and smaller than zero1, DDP and FSDP2 (docs/performance.md, "Sharded data
-    parallelism"); tp > 1 and fp8 under zero3 run when asked for."""
+    parallelism (two H200s)"); tp > 1 and fp8 under zero3 run when asked for."""
     from ..parallel.zero3_layout import block_parameters
     from .data import token_format
     if device.type != "cuda":
