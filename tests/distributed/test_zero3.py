@@ -86,6 +86,11 @@ def test_zero3_trains_like_ddp(ranks, world, tp, graphed):
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_zero3_on_one_dp_rank_trains_like_the_unsharded_model(ranks, graphed):
+    ranks(1).run(trains_like_the_reference_body, 1, graphed)
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_zero3_accumulates_micro_batches_like_ddp(ranks, graphed):
     ranks(2).run(trains_like_the_reference_body, 1, graphed, 2)
 

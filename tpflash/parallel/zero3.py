@@ -178,9 +178,11 @@ class ShardedBlocks:
         out = self._writable[kind][slot]
         fulls = [out[piece.full_start:piece.full_end] for piece in self.pieces[kind]]
         shards = [source[piece.shard_start:piece.shard_start + piece.shard_numel] for piece in self.pieces[kind]]
+        if not fulls:
+            return
         if self.ranks == 1:
             torch._foreach_copy_(fulls, shards)
-        elif fulls:
+        else:
             all_gather_many(fulls, shards, self.group)
 
     def _prefetch(self, block: int) -> None:
@@ -276,9 +278,11 @@ class ShardedBlocks:
                 out = self._scratch[kind]  # one per kind: the reductions follow each other on one stream
                 fulls = [self.reduce_slots[kind][slot][piece.full_start:piece.full_end] for piece in self.pieces[kind]]
                 shards = [out[piece.shard_start:piece.shard_start + piece.shard_numel] for piece in self.pieces[kind]]
+                if not fulls:
+                    continue
                 if self.ranks == 1:
                     torch._foreach_copy_(shards, fulls)
-                elif fulls:
+                else:
                     reduce_scatter_many(shards, fulls, self.group)
                 self.grad[kind][i].add_(out, alpha=1.0 / self.ranks)
             if self.cuda and kind == "main":
