@@ -36,19 +36,6 @@ def _mixed_precision(device, compute_dtype):
     return torch.autocast(device.type, dtype=compute_dtype)
 
 
-def _overwrite_the_pool_at_each_forward_replay(model, sharded):
-    """What a CUDA forward replay does to the graphs' memory pool, on the CPU stand-in: the gradients a
-    replayed backward left there are garbage once the next forward replay has run."""
-    graphed = model._graphed_blocks
-    replay = graphed.fwd_graph.replay
-
-    def overwriting_replay():
-        for grad in sharded.grads.pool:
-            grad.fill_(float("nan"))
-        replay()
-    graphed.fwd_graph.replay = overwriting_replay
-
-
 def trains_like_the_reference_body(tp, graphed, micro_batches=1, checkpointing=False, ffn_hidden=64, bf16=None):
     """zero3 against DDP (fp32, CPU) or FSDP2 with bf16 parameters (bf16 compute: always on CUDA)."""
     ps = init_tp(tp)
@@ -59,8 +46,6 @@ def trains_like_the_reference_body(tp, graphed, micro_batches=1, checkpointing=F
     if graphed:
         with _mixed_precision(device, compute_dtype):
             sharded.capture_cuda_graphs(model, BATCH, SEQ)
-        if device.type == "cpu":
-            _overwrite_the_pool_at_each_forward_replay(model, sharded)
     peer = _reference_over_dp(reference, ps, compute_dtype)
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (model, reference)]
     tol = 1e-5 if device.type == "cpu" else 2e-2

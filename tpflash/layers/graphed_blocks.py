@@ -273,8 +273,6 @@ class GraphedBlocks:
         if x.data_ptr() != self.static_x.data_ptr():
             self.static_x.copy_(x)
         self._unalias_accumulated_grads()
-        if self.dp_sync is not None:
-            self.dp_sync.before_forward_replay()
         self.fwd_graph.replay()
         self.forward_generation += 1
         return self.forward_generation

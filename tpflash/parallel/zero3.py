@@ -7,7 +7,8 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
 
 - masters: each block parameter's rows are split over the dp (x cp) ranks like FSDP2's (torch.chunk
   along dim 0; a DTensor with Shard(0) on `ps.dp_cp_mesh`, so the optimizer, the gradient norm and
-  checkpoints treat the model exactly as under FSDP2), held in one flat fp32 buffer per block;
+  checkpoints treat the model exactly as under FSDP2), held in one flat fp32 buffer per block, and
+  their gradients in a second;
 - compute: two buffers ("slots") of one block's unsharded parameters in the compute dtype; block i
   uses slot i % 2. Each block parameter has a leaf tensor that views its place in its block's slot,
   and while the block runs its modules hold those leaves in place of the masters. Before block i
@@ -16,10 +17,10 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
   in the backward, block i's slot is gathered again before its backward (the last two blocks still
   hold theirs), while block i + 1's backward computes;
 - gradients: a hook on each leaf copies its gradient (fp32) into a reduction slot; when a block's
-  last one is in, one grouped reduce-scatter (a collective per parameter, one launch) writes this
-  rank's rows of the sum, divided by dp, to the block's sharded gradient, while the blocks before it
-  compute theirs. A block's sharded gradient is allocated then, in the backward, where the
-  activations already freed make room, not held between steps (as FSDP2's; zero3_grads);
+  last one is in, one grouped reduce-scatter (a collective per parameter, one launch) adds this
+  rank's rows of the sum, divided by dp,
+  to the block's gradient buffer (micro-batches accumulate until `new_step`), while the blocks
+  before it compute theirs;
 - the blocks' tp-partial-gradient parameters (norm weights under sequence parallelism: summed over
   tp in autograd at the end of the stack's backward) are sharded too, but gathered for all blocks at
   once at the start of the forward, kept until the next one (they are small), and reduced after
@@ -28,8 +29,8 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
 Everything outside the blocks (embeddings, final norm, head) is left to FSDP2 on the model's root
 unit (`shard_blocks`): those run eagerly anyway. Communication per step is FSDP's (an all-gather in
 the forward and in the backward, a reduce-scatter); memory per rank is the sharded fp32 weights,
-gradients and AdamW state (16 / dp bytes per parameter, the gradients only from the backward to the
-step) plus the two compute slots and two reduction slots of one block (`bytes_per_rank`).
+gradients and AdamW state (16 / dp bytes per parameter) plus the two compute slots and two
+reduction slots of one block (`bytes_per_rank`).
 
 On CUDA the collectives run on a side stream, ordered against the compute by events recorded in the
 same forward or backward; on CPU they run inline. Capture (tpflash.layers.graphed_blocks) records
@@ -47,7 +48,6 @@ import torch.nn as nn
 
 from .comm import all_gather_many, reduce_scatter_many
 from .state import ParallelState
-from .zero3_grads import StepGradients
 from .zero3_layout import Piece, block_parameters, layout, module_and_name
 
 _EVERY_PARAMETER_USED = ("fsdp=zero3 needs every block parameter used in the forward (a block's gradients are reduced "
@@ -63,7 +63,8 @@ class ShardedBlocks:
     `compute_dtype`: the dtype of the gathered weights (bf16 under autocast on CUDA; default the
     parameters' own). Per step: forward and backward (the hooks gather and reduce),
     `wait_for_gradients()`, the optimizer step on the masters, `optimizer.zero_grad(set_to_none=True)`,
-    then `new_step()` (micro-batches accumulate until then, graphed or not). Collectives over the dp * cp group, inside the blocks' forward and backward.
+    then `new_step()` (micro-batches accumulate until then, graphed or not). Collectives over the
+    dp * cp group, inside the blocks' forward and backward.
     """
 
     def __init__(self, model: nn.Module, ps: ParallelState, compute_dtype: Optional[torch.dtype] = None):
@@ -79,14 +80,12 @@ class ShardedBlocks:
             self.pieces[kind], *sizes[kind] = layout([x for x, part in zip(named[0], is_partial) if part == wanted],
                                                      self.ranks)
         self._allocate(len(self.blocks), sizes, master_dtype, device)
-        self.mesh = ps.dp_cp_mesh
         self.leaves: List[Dict[str, torch.Tensor]] = []  # per block: path -> the leaf viewing its slot
         self.masters: List[Dict[str, nn.Parameter]] = []  # per block: path -> the DTensor master
         self._places: List[List[Tuple[nn.Module, str, torch.Tensor, nn.Parameter]]] = []  # per block, for _swap
-        self.grads = StepGradients(len(self.blocks), {k: sizes[k][0] for k in KINDS}, master_dtype, device,
-                                   self._sharded)
+        self._grad_views: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (master, its DTensor gradient)
         for i, params in enumerate(named):
-            self._bind_block(i, dict(params))
+            self._bind_block(i, dict(params), ps.dp_cp_mesh)
         self.master_params = [p for m in self.masters for p in m.values()]
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._events = ({"gathered": [torch.cuda.Event() for _ in range(2)],
@@ -105,8 +104,9 @@ class ShardedBlocks:
     def _allocate(self, n_blocks: int, sizes, master_dtype: torch.dtype, device) -> None:
         zeros = functools.partial(torch.zeros, device=device)
         slots = {"main": 2, "partial": n_blocks}  # compute and reduction slots; padded rows stay zero
-        # masters: [block, shard] (this rank's rows of every parameter, padded; gradients: self.grads)
+        # masters and their gradients: [block, shard] (this rank's rows of every parameter, padded)
         self.master = {k: zeros(n_blocks, sizes[k][0], dtype=master_dtype) for k in KINDS}
+        self.grad = {k: zeros(n_blocks, sizes[k][0], dtype=master_dtype) for k in KINDS}
         self.slots = {k: zeros(slots[k], sizes[k][1], dtype=self.compute_dtype) for k in KINDS}
         self._writable = {k: v.data for k, v in self.slots.items()}  # writes here leave autograd's versions alone
         self.reduce_slots = {k: zeros(slots[k], sizes[k][1], dtype=master_dtype) for k in KINDS}
@@ -114,19 +114,28 @@ class ShardedBlocks:
                          if self.compute_dtype != master_dtype else None)  # a block's shard cast, to gather
         self._scratch = {k: torch.empty(sizes[k][0], dtype=master_dtype, device=device) for k in KINDS}
 
-    def _bind_block(self, i: int, params: Dict[str, nn.Parameter]) -> None:
+    def _bind_block(self, i: int, params: Dict[str, nn.Parameter], mesh) -> None:
         """Block i's masters (its rows copied in, registered in its modules) and compute leaves."""
+        from torch.distributed.tensor import DTensor, Shard
         leaves, masters, places = {}, {}, []
         block = self.blocks[i]
         for kind in KINDS:
             slot = self.slots[kind][i % 2 if kind == "main" else i]
             for piece in self.pieces[kind]:
                 p = params[piece.path]
-                start, real = self._rows(piece)
-                master = nn.Parameter(self._sharded(self.master[kind][i], piece))
+                start = min(self.rank * piece.chunk, p.shape[0])
+                real = min(piece.chunk, p.shape[0] - start)  # this rank's rows (the last ranks' may be fewer)
+
+                def sharded(flat: torch.Tensor) -> torch.Tensor:  # this rank's rows in a [block, shard] buffer
+                    local = flat[i, piece.shard_start:piece.shard_start + piece.shard_numel]
+                    local = local.view((piece.chunk,) + tuple(p.shape[1:]))[:real]
+                    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                              stride=p.stride())
+
+                master = nn.Parameter(sharded(self.master[kind]))
                 with torch.no_grad():
                     master.to_local().copy_(p.detach()[start:start + real])
-                self.grads.add_master(i, kind, master, piece)
+                self._grad_views.append((master, sharded(self.grad[kind])))
                 leaf = slot[piece.full_start:piece.full_start + p.numel()].view(p.shape).requires_grad_()
                 module, name = module_and_name(block, piece.path)
                 module._parameters[name] = master
@@ -135,19 +144,6 @@ class ShardedBlocks:
         self.leaves.append(leaves)
         self.masters.append(masters)
         self._places.append(places)
-
-    def _rows(self, piece: Piece) -> Tuple[int, int]:
-        """(first row, rows) of `piece` on this rank: torch.chunk's split (the last ranks' may be fewer)."""
-        start = min(self.rank * piece.chunk, piece.shape[0])
-        return start, min(piece.chunk, piece.shape[0] - start)
-
-    def _sharded(self, flat: torch.Tensor, piece: Piece):
-        """This rank's rows of `piece` in `flat`, a block's [shard] buffer, as the parameter's DTensor."""
-        from torch.distributed.tensor import DTensor, Shard
-        local = flat[piece.shard_start:piece.shard_start + piece.shard_numel]
-        local = local.view((piece.chunk,) + tuple(piece.shape[1:]))[:self._rows(piece)[1]]
-        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=piece.shape,
-                                  stride=torch.empty(piece.shape, device="meta").stride())
 
     def _install_hooks(self) -> None:
         for i, block in enumerate(self.blocks):
@@ -274,11 +270,10 @@ class ShardedBlocks:
                 self._reduce("partial", range(len(self.blocks)))
 
     def _reduce(self, kind: str, blocks: Sequence[int]) -> None:
-        """Sum the blocks' gradients of `kind` over the group and write (or add) this rank's rows, divided
-        by dp, to their sharded gradients (StepGradients.target)."""
-        targets = [self.grads.target(kind, i) for i in blocks]  # allocated on the compute stream
+        """Sum the blocks' gradients of `kind` over the group and add this rank's rows, divided by dp, to
+        their gradient buffers (micro-batches accumulate)."""
         with self._side():
-            for i, (target, add) in zip(blocks, targets):
+            for i in blocks:
                 slot = i % 2 if kind == "main" else i
                 out = self._scratch[kind]  # one per kind: the reductions follow each other on one stream
                 fulls = [self.reduce_slots[kind][slot][piece.full_start:piece.full_end] for piece in self.pieces[kind]]
@@ -289,10 +284,7 @@ class ShardedBlocks:
                     torch._foreach_copy_(shards, fulls)
                 else:
                     reduce_scatter_many(shards, fulls, self.group)
-                if add:
-                    target.add_(out, alpha=1.0 / self.ranks)
-                else:
-                    torch.mul(out, 1.0 / self.ranks, out=target)
+                self.grad[kind][i].add_(out, alpha=1.0 / self.ranks)
             if self.cuda and kind == "main":
                 self._events["reduced"][blocks[0] % 2].record()
         if kind == "main":
@@ -305,20 +297,20 @@ class ShardedBlocks:
         missing = sum(self._pending) + self._pending_partial
         if missing:  # every rank runs the same blocks: all raise here alike
             raise RuntimeError(f"{missing} block parameter(s) got no gradient: {_EVERY_PARAMETER_USED}")
-        if not self.grads.in_graph_backward:
-            self.grads.after_eager_backward()
 
     # ---- the step -----------------------------------------------------------------------------------
     def wait_for_gradients(self) -> None:
         """Make the current stream wait for the gradient reductions (they run on a side stream): call on
-        the thread that ran the backward, before anything reads the gradients. (The masters' .grad are
-        set at the end of every backward.)"""
+        the thread that ran the backward, before anything reads the gradients. A no-op on CPU."""
         self._join()
 
     def new_step(self) -> None:
-        """After the optimizer step and zero_grad: the backwards until the next new_step start the next
-        step's gradients."""
-        self.grads.new_step()
+        """After the optimizer step and zero_grad: the masters' gradients are this object's buffers again,
+        zeroed; the backwards until the next new_step add to them."""
+        for grads in self.grad.values():
+            grads.zero_()
+        for master, grad in self._grad_views:
+            master.grad = grad
 
     def capture_cuda_graphs(self, model: nn.Module, batch_size: int, seq_len: int) -> None:
         """`model.capture_cuda_graphs(batch_size, seq_len)` with these blocks' gathers and reductions inside
@@ -343,7 +335,7 @@ class ShardedBlocks:
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         staging = size(self._staging.values()) if self._staging else 0
-        return {"params": size(self.master.values()), "grads": size(self.master.values()),  # from backward to step
+        return {"params": size(self.master.values()), "grads": size(self.grad.values()),
                 "adam_state": 2 * size(self.master.values()),
                 "slots": size(self.slots.values()) + size(self.reduce_slots.values()) + staging}
 
@@ -365,12 +357,8 @@ class GraphSync:
         return [t for leaves in self.sharded.leaves for t in leaves.values()]
 
     def warm_up(self) -> None:
-        """After the eager warm-up passes, before the capture: their gradients are dropped, and the memory
-        they took on the warm-up's stream goes back to the device for the capture's pool."""
+        """After the eager warm-up passes, before the capture: their gradients are dropped."""
         self.sharded.new_step()
-        if self.sharded.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
 
     def before_block(self, index: int) -> None:
         pass
@@ -380,21 +368,12 @@ class GraphSync:
 
     @contextlib.contextmanager
     def gradient_hooks(self):
-        """Around the captured backward (and the CPU stand-in's replays of it): the blocks' gradients go
-        to the pool's buffers, and the capturing stream joins the side stream at its end."""
-        self.sharded.grads.in_graph_backward = True
-        try:
-            yield
-        finally:
-            self.sharded.grads.in_graph_backward = False
-        self.sharded._join()
-
-    def before_forward_replay(self) -> None:
-        """The forward replay is about to overwrite the pool: a replayed backward's gradients are taken."""
-        self.sharded.grads.before_forward_replay()
+        """Around the captured backward: the capturing stream joins the side stream at its end."""
+        yield
+        self.sharded.wait_for_gradients()
 
     def backward_replayed(self) -> None:
-        self.sharded.grads.backward_replayed()
+        pass
 
     def wait_all(self) -> None:
         self.sharded._join()

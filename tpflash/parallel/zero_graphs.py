@@ -128,9 +128,6 @@ class GraphSync:
             self.zero.reduce_bucket(bucket)
 
     # ---- replay time ---------------------------------------------------------------------------
-    def before_forward_replay(self) -> None:
-        pass  # the gradients live in zero1's buffers, outside the graphs' pool
-
     def backward_replayed(self) -> None:
         if self.reduced:
             raise RuntimeError("a second backward through the graphed blocks before zero_grad: fsdp=zero1 with the "
