@@ -1,7 +1,7 @@
 """fsdp=zero3 on GPUs: over NCCL with real CUDA graphs (bf16 gathers, the side stream and its events
-captured), against FSDP2 with bf16 parameters: the same mixed precision. The CPU twins, the same bodies
-over gloo with the graphs' eager stand-in (in fp32 against DDP, in bf16 against FSDP2), are in
-test_zero3.py."""
+captured, the gradients in the graphs' memory pool), against FSDP2 with bf16 parameters: the same mixed
+precision. The CPU twins, the same bodies over gloo with the graphs' eager stand-in (in fp32 against
+DDP, in bf16 against FSDP2), are in test_zero3.py."""
 import pytest
 
 from tests.distributed.test_zero3 import trains_like_the_reference_body
@@ -14,6 +14,11 @@ LAYOUTS = pytest.mark.parametrize("world,tp", [(2, 1), (4, 2), (4, 1)], ids=["dp
 @LAYOUTS
 def test_a_graphed_gpt_under_zero3_trains_like_the_eager_gpt_under_fsdp2_in_bf16(ranks, world, tp):
     ranks(world).run(trains_like_the_reference_body, tp, True)
+
+
+@LAYOUTS
+def test_a_graphed_gpt_under_zero3_accumulates_micro_batches_like_fsdp2_in_bf16(ranks, world, tp):
+    ranks(world).run(trains_like_the_reference_body, tp, True, 2)
 
 
 @LAYOUTS
