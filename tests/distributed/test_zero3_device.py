@@ -1,6 +1,5 @@
 """fsdp=zero3 on GPUs: over NCCL with real CUDA graphs (bf16 gathers, the side stream and its events
-captured, the gradients in the graphs' memory pool), against FSDP2 with bf16 parameters: the same mixed
-precision. The CPU twins, the same bodies over gloo with the graphs' eager stand-in (in fp32 against
+captured), against FSDP2 with bf16 parameters: the same mixed precision. The CPU twins, the same bodies over gloo with the graphs' eager stand-in (in fp32 against
 DDP, in bf16 against FSDP2), are in test_zero3.py."""
 import pytest
 
