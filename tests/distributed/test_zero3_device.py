@@ -1,6 +1,7 @@
 """fsdp=zero3 on GPUs: over NCCL with real CUDA graphs (bf16 gathers, the side stream and its events
-captured), against FSDP2 with bf16 parameters: the same mixed precision. The CPU twins, the same bodies over gloo with the graphs' eager stand-in (in fp32 against
-DDP, in bf16 against FSDP2), are in test_zero3.py."""
+captured), against FSDP2 with bf16 parameters: the same mixed precision. The CPU twins, the same
+bodies over gloo with the graphs' eager stand-in (in fp32 against DDP, in bf16 against FSDP2), are
+in test_zero3.py."""
 import pytest
 
 from tests.distributed.test_zero3 import trains_like_the_reference_body
