@@ -38,6 +38,19 @@ def test_zero3_is_left_to_explicit_requests_on_cpu_and_at_tp_above_one():
     assert zero3_blocker(TrainConfig(tp=2), model, torch.device("cuda")) == "tp=2, cp=1"
 
 
+def test_zero3_is_left_out_where_init_from_would_load_more_than_half_the_device_on_every_rank():
+    import torch
+    from tpflash.models import GPT, GPTConfig
+    from tpflash.train.build import zero3_blocker
+    from tpflash.train.config import TrainConfig
+    model = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4),
+                device=torch.device("meta"))
+    cfg = TrainConfig(model={"init_from": "/some/hf_dir"})
+    cuda = torch.device("cuda")
+    assert zero3_blocker(cfg, model, cuda, 70_000_000_000, H100) == "model.init_from loads the whole model on every rank first"
+    assert zero3_blocker(cfg, model, cuda, 8_000_000_000, H100) is None  # 32 GB of fp32 weights: under half
+
+
 def test_auto_shards_the_optimizer_state_where_weights_and_gradients_fit_in_half_the_device():
     mode, why = fsdp_choice("auto", 4, 2_000_000_000, H100)  # llama-3-8b at tp=4: 10 bytes/param = 18.6 GiB
     assert mode == "zero1" and "AdamW's state 18.63 GiB per rank, device 80 GiB" in why, why

@@ -129,9 +129,10 @@ class Trainer:
                                    **build.context_parallel_kwargs(self.cfg))
         self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
         # the dp x cp ranks hold the same parameters: FSDP (or zero1) shards over them all
+        local_params, memory = build.agreed_fsdp_inputs(self.model, self.ps)
         self.dp_mode, self.dp_mode_why = build.fsdp_choice(
-            self.cfg.fsdp, dp * self.cfg.cp, *build.agreed_fsdp_inputs(self.model, self.ps),
-            zero3_blocker=build.zero3_blocker(self.cfg, self.model, self.device))
+            self.cfg.fsdp, dp * self.cfg.cp, local_params, memory,
+            zero3_blocker=build.zero3_blocker(self.cfg, self.model, self.device, local_params, memory))
         if self.dp_mode == "on":
             parallel.apply_fsdp(self.model, self.ps)
             self.sharded_ids = tp_sharded_param_ids(self.model)
