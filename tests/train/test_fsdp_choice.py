@@ -36,6 +36,9 @@ def test_zero3_is_left_to_explicit_requests_on_cpu_and_at_tp_above_one():
     assert zero3_blocker(TrainConfig(), model, torch.device("cpu")) == "CPU"
     assert zero3_blocker(TrainConfig(), model, torch.device("cuda")) is None
     assert zero3_blocker(TrainConfig(tp=2), model, torch.device("cuda")) == "tp=2, cp=1"
+    dropout = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4,
+                                   dropout=0.1), device=torch.device("meta"))
+    assert "dropout=0.1" in zero3_blocker(TrainConfig(), dropout, torch.device("cuda"))
 
 
 def test_zero3_is_left_out_where_init_from_would_load_more_than_half_the_device_on_every_rank():
