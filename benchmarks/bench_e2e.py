@@ -48,7 +48,7 @@ import gc
 import json
 import os
 import sys
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -209,7 +209,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             row["note"] = "; ".join(filter(None, [row.get("note"), f"comm {peer_collectives.comm_backend()}"]))
         row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu,
                    mfu=tok_gpu * flops_per_token(shape, args) / (args.peak_tflops * 1e12),
-                   peak_gib=_peak_gib(ps.device))
+                   **_peak_gib(ps.device))
     except Exception as exc:  # one failing configuration must not kill the table
         row["error"] = describe(exc)
     finally:
@@ -282,12 +282,16 @@ def flops_per_token(shape: dict, args) -> float:
     return 6.0 * (layers * (2 * d * d + 2 * d * kv + mlp) + args.vocab * d) + 12.0 * layers * d * args.seq
 
 
-def _peak_gib(device) -> float:
+def _peak_gib(device) -> Dict[str, float]:
+    """The row's peak memory, the largest over the ranks: what tensors held (`peak_gib`) and what the
+    caching allocator reserved (`reserved_gib`: CUDA graphs' pools whole, also the parts their replays
+    use that no live tensor holds between them)."""
     if device.type != "cuda":
-        return float("nan")
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], device=device)
+        return {"peak_gib": float("nan")}
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                        dtype=torch.float64, device=device) / 2 ** 30
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return peak.item()
+    return {"peak_gib": peak[0].item(), "reserved_gib": peak[1].item()}
 
 
 def parse_args(argv=None):
