@@ -1,14 +1,24 @@
 """fsdp=auto: zero3 (everything sharded, blocks graphed) on CUDA at tp=1; elsewhere zero1 (AdamW state sharded,
 weights replicated) where that fits in half the device, else FSDP."""
 import pytest
+import torch
 
 from tests.train.common import tiny_config, write_corpus
 from tests.train.tiny_model import TinyConfig, TinyLM
-from tpflash.train.build import fsdp_choice
+from tpflash.models import GPT, GPTConfig
+from tpflash.train.build import fsdp_choice, zero3_blocker
+from tpflash.train.config import TrainConfig
 from tpflash.train.loop import Trainer
 
 GIB = 2**30
 H100 = 80 * GIB
+CUDA = torch.device("cuda")
+
+
+def _gpt(**overrides):
+    """A GPT on the meta device: what zero3_blocker looks at (its blocks and config), no memory."""
+    return GPT(GPTConfig.preset("gpt2-tiny", vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4, **overrides),
+               device=torch.device("meta"))
 
 
 @pytest.mark.parametrize("dp", [1, 4])
@@ -26,32 +36,20 @@ def test_auto_holds_the_model_with_zero3_where_nothing_blocks_it():
     assert mode == "zero3" and "tp=1 on CUDA" in why, why
 
 
-def test_zero3_is_left_to_explicit_requests_on_cpu_and_at_tp_above_one():
-    import torch
-    from tpflash.models import GPT, GPTConfig
-    from tpflash.train.build import zero3_blocker
-    from tpflash.train.config import TrainConfig
-    model = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4),
-                device=torch.device("meta"))
-    assert zero3_blocker(TrainConfig(), model, torch.device("cpu")) == "CPU"
-    assert zero3_blocker(TrainConfig(), model, torch.device("cuda")) is None
-    assert zero3_blocker(TrainConfig(tp=2), model, torch.device("cuda")) == "tp=2, cp=1"
-    dropout = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4,
-                                   dropout=0.1), device=torch.device("meta"))
-    assert "dropout=0.1" in zero3_blocker(TrainConfig(), dropout, torch.device("cuda"))
+def test_zero3_is_picked_on_cuda_at_tp_1_for_graphable_blocks():
+    assert zero3_blocker(TrainConfig(), _gpt(), CUDA) is None
+
+
+def test_zero3_is_left_to_explicit_requests_on_cpu_at_tp_above_one_and_with_dropout():
+    assert zero3_blocker(TrainConfig(), _gpt(), torch.device("cpu")) == "CPU"
+    assert zero3_blocker(TrainConfig(tp=2), _gpt(), CUDA) == "tp=2, cp=1"
+    assert "dropout=0.1" in zero3_blocker(TrainConfig(), _gpt(dropout=0.1), CUDA)
 
 
 def test_zero3_is_left_out_where_init_from_would_load_more_than_half_the_device_on_every_rank():
-    import torch
-    from tpflash.models import GPT, GPTConfig
-    from tpflash.train.build import zero3_blocker
-    from tpflash.train.config import TrainConfig
-    model = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4),
-                device=torch.device("meta"))
     cfg = TrainConfig(model={"init_from": "/some/hf_dir"})
-    cuda = torch.device("cuda")
-    assert zero3_blocker(cfg, model, cuda, 70_000_000_000, H100) == "model.init_from loads the whole model on every rank first"
-    assert zero3_blocker(cfg, model, cuda, 8_000_000_000, H100) is None  # 32 GB of fp32 weights: under half
+    assert zero3_blocker(cfg, _gpt(), CUDA, 70_000_000_000, H100) == "model.init_from loads the whole model on every rank first"
+    assert zero3_blocker(cfg, _gpt(), CUDA, 8_000_000_000, H100) is None  # 32 GB of fp32 weights: under half
 
 
 def test_auto_shards_the_optimizer_state_where_weights_and_gradients_fit_in_half_the_device():
