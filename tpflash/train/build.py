@@ -199,7 +199,8 @@ def zero3_blocker(cfg: TrainConfig, model: nn.Module, device: torch.device, loca
     return None
 
 
-def fsdp_choice(setting: str, dp: int, local_params: int, memory: int, zero3_blocker: Optional[str] = "") -> Tuple[str, str]:
+def fsdp_choice(setting: str, dp: int, local_params: int, memory: int,
+                zero3_blocker: Optional[str] = "not considered") -> Tuple[str, str]:
     """(how the dp ranks hold the model: "off" | "zero1" | "zero3" | "on", why: "" when set explicitly).
 
     off: replicated, gradients all-reduced by DDP. zero1: parameters and gradients replicated,
