@@ -46,11 +46,6 @@ def test_zero3_is_left_to_explicit_requests_on_cpu_at_tp_above_one_and_with_drop
     assert "dropout=0.1" in zero3_blocker(TrainConfig(), _gpt(dropout=0.1), CUDA)
 
 
-def test_zero3_is_left_out_where_init_from_would_load_more_than_half_the_device_on_every_rank():
-    cfg = TrainConfig(model={"init_from": "/some/hf_dir"})
-    assert zero3_blocker(cfg, _gpt(), CUDA, 70_000_000_000, H100) == "model.init_from loads the whole model on every rank first"
-    assert zero3_blocker(cfg, _gpt(), CUDA, 8_000_000_000, H100) is None  # 32 GB of fp32 weights: under half
-
 
 def test_auto_shards_the_optimizer_state_where_weights_and_gradients_fit_in_half_the_device():
     mode, why = fsdp_choice("auto", 4, 2_000_000_000, H100)  # llama-3-8b at tp=4: 10 bytes/param = 18.6 GiB

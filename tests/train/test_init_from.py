@@ -88,9 +88,34 @@ def test_a_resumed_run_keeps_its_trained_weights_not_the_hugging_face_ones(ranks
     assert step == 2 and resumed == trained
 
 
-def test_a_run_from_a_hugging_face_model_under_zero3_starts_at_its_loss(ranks, tmp_path):
-    # zero3 shards after the weights are in: each rank loads its whole tp-local model first
-    hf_dir = save_tiny_hf("llama", str(tmp_path / "llama"))
+@pytest.mark.parametrize("family", ["gpt2", "llama"])  # tied and untied embeddings
+def test_a_run_from_a_hugging_face_model_under_zero3_starts_at_its_loss(ranks, tmp_path, family):
+    hf_dir = save_tiny_hf(family, str(tmp_path / family))
     cfg = tiny_config(write_corpus(str(tmp_path)), tp=1, fsdp="zero3", model={"init_from": hf_dir})
     for got, want in ranks(2).run(eval_against_hf_body, cfg):
         assert abs(got - want) < 1e-4, f"eval loss {got} against the Hugging Face model's {want}"
+
+
+def blocks_materialized_body(cfg):
+    import torch.nn as nn
+    from tpflash.models import GPT, GPTConfig
+    from tpflash.train.loop import Trainer
+    given_storage = []
+    to_empty = nn.Module.to_empty
+
+    def recording(module, *, device, recurse=True):
+        given_storage.append((module, recurse))
+        return to_empty(module, device=device, recurse=recurse)
+    nn.Module.to_empty = recording
+    try:
+        trainer = Trainer(cfg, GPTConfig, GPT)
+    finally:
+        nn.Module.to_empty = to_empty
+    inside = {id(m) for block in trainer.model.blocks for m in block.modules()}
+    return [type(m).__name__ for m, recurse in given_storage if id(m) in inside or (recurse and m is trainer.model)]
+
+
+def test_zero3_loads_a_hugging_face_model_into_its_shards_without_materializing_the_blocks(ranks, tmp_path):
+    hf_dir = save_tiny_hf("llama", str(tmp_path / "llama"))
+    cfg = tiny_config(write_corpus(str(tmp_path)), tp=1, fsdp="zero3", model={"init_from": hf_dir})
+    assert ranks(2).run(blocks_materialized_body, cfg) == [[], []], "a block was given whole storage"

@@ -59,7 +59,10 @@ class ShardedBlocks:
     """ZeRO-3 for `model.blocks` over `ps.dp_cp_group` (module docstring).
 
     Construct it on every rank once the blocks' weights are final and alike on every dp rank, before
-    the optimizer (which then steps the sharded masters) and before any CUDA-graph capture.
+    the optimizer (which then steps the sharded masters) and before any CUDA-graph capture; or on
+    blocks still on the meta device, whose masters then start at zero for a loader or a checkpoint to
+    fill in place (nothing is held whole: `model.init_from` under fsdp=zero3). Buffers live on
+    `ps.device`.
     `compute_dtype`: the dtype of the gathered weights (bf16 under autocast on CUDA; default the
     parameters' own). Per step: forward and backward (the hooks gather and reduce),
     `wait_for_gradients()`, the optimizer step on the masters, `optimizer.zero_grad(set_to_none=True)`,
@@ -71,7 +74,7 @@ class ShardedBlocks:
         self.group, self.ranks, self.rank = ps.dp_cp_group, ps.dp_cp_size, ps.dp_cp_rank
         self.blocks = list(getattr(model, "blocks", []))
         named, is_partial = block_parameters(self.blocks)
-        master_dtype, device = named[0][0][1].dtype, named[0][0][1].device
+        master_dtype, device = named[0][0][1].dtype, ps.device
         self.compute_dtype = compute_dtype or master_dtype
         self.cuda = device.type == "cuda"
         self.pieces: Dict[str, List[Piece]] = {}
@@ -133,8 +136,9 @@ class ShardedBlocks:
                                               stride=p.stride())
 
                 master = nn.Parameter(sharded(self.master[kind]))
-                with torch.no_grad():
-                    master.to_local().copy_(p.detach()[start:start + real])
+                if not p.is_meta:
+                    with torch.no_grad():
+                        master.to_local().copy_(p.detach()[start:start + real])
                 self._grad_views.append((master, sharded(self.grad[kind])))
                 leaf = slot[piece.full_start:piece.full_start + p.numel()].view(p.shape).requires_grad_()
                 module, name = module_and_name(block, piece.path)
@@ -390,4 +394,14 @@ def shard_blocks(model: nn.Module, ps: ParallelState, compute_dtype: Optional[to
         fully_shard(model, mesh=ps.dp_cp_mesh, reshard_after_forward=False, ignored_params=set(sharded.master_params),
                     mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32))
     return sharded
+
+
+def materialize_outside_blocks(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device=device)` for a model built on the meta device and sharded with
+    shard_blocks: storage for everything outside its blocks (FSDP2's root unit; children before the
+    root, whose FSDP state then takes the new shards), while the blocks' masters keep theirs."""
+    inside = {id(m) for block in getattr(model, "blocks", []) for m in block.modules()}
+    for module in reversed(list(model.modules())):  # every module after its descendants
+        if id(module) not in inside:
+            module.to_empty(device=device, recurse=False)
 

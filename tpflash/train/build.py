@@ -168,15 +168,12 @@ def agreed_fsdp_inputs(model: nn.Module, ps) -> Tuple[int, int]:
     return int(both[0]), -int(both[1])
 
 
-def zero3_blocker(cfg: TrainConfig, model: nn.Module, device: torch.device, local_params: int = 0,
-                  memory: int = 0) -> Optional[str]:
+def zero3_blocker(cfg: TrainConfig, model: nn.Module, device: torch.device) -> Optional[str]:
     """Why fsdp=auto does not hold this run's model with zero3, or None where it does: on CUDA at tp=1
     and cp=1, with the blocks CUDA-graphed (cuda_graphs not off, no packed documents, no dropout),
-    without fp8, for a model whose blocks zero3 can shard (one shape, plain parameters), and, under
-    `model.init_from` (whose weights every rank loads whole, `local_params` fp32 parameters, before
-    zero3 shards them), where that takes at most half of `memory`. That is where it was measured
-    faster and smaller than zero1, DDP and FSDP2 (docs/performance.md, "Sharded data parallelism (two
-    H200s)"); tp > 1 and fp8 under zero3 run when asked for."""
+    without fp8, for a model whose blocks zero3 can shard (one shape, plain parameters). That is where
+    it was measured faster and smaller than zero1, DDP and FSDP2 (docs/performance.md, "Sharded data
+    parallelism (two H200s)"); tp > 1 and fp8 under zero3 run when asked for."""
     from ..layers.graphed_blocks import check_graphable
     from ..parallel.zero3_layout import block_parameters
     from .data import token_format
@@ -194,8 +191,6 @@ def zero3_blocker(cfg: TrainConfig, model: nn.Module, device: torch.device, loca
         return str(e)
     if getattr(getattr(model, "config", None), "fp8", "off") != "off":
         return "fp8"
-    if cfg.model.get("init_from") and 2 * 4 * local_params > memory:
-        return "model.init_from loads the whole model on every rank first"
     return None
 
 

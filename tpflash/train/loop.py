@@ -132,24 +132,27 @@ class Trainer:
         local_params, memory = build.agreed_fsdp_inputs(self.model, self.ps)
         self.dp_mode, self.dp_mode_why = build.fsdp_choice(
             self.cfg.fsdp, dp * self.cfg.cp, local_params, memory,
-            zero3_blocker=build.zero3_blocker(self.cfg, self.model, self.device, local_params, memory))
+            zero3_blocker=build.zero3_blocker(self.cfg, self.model, self.device))
         if self.dp_mode == "on":
             parallel.apply_fsdp(self.model, self.ps)
             self.sharded_ids = tp_sharded_param_ids(self.model)
+        # zero3: every parameter becomes a DTensor shard (the blocks' gathered into static slots); on the
+        # meta device too, so that init_from fills the shards and no rank holds the whole model
+        self.zero3 = None
+        if self.dp_mode == "zero3":
+            self.zero3 = parallel.shard_blocks(self.model, self.ps, compute_dtype=self.amp_dtype)
+            self.sharded_ids = tp_sharded_param_ids(self.model)
         if self.init_from:
-            self.model.to_empty(device=self.device)
+            if self.zero3 is not None:  # the blocks' masters have their storage already
+                parallel.materialize_outside_blocks(self.model, self.device)
+            else:
+                self.model.to_empty(device=self.device)
             self.sharded_ids = tp_sharded_param_ids(self.model)  # to_empty may have swapped the parameters
             if not self.checkpoints.resume_point():  # a resumed run has trained past these weights; load fills all
                 pretrained.load_pretrained_weights(self.model, self.init_from, hf_files)
         # zero1: the parameters move into flat buffers (same Parameter objects) before the optimizer,
         # the checkpoint load (in place) and the graph capture (which keeps their addresses)
         self.zero = parallel.ShardedOptimizerState(self.model, self.ps) if self.dp_mode == "zero1" else None
-        # zero3: every parameter becomes a DTensor shard (the blocks' gathered into static slots), after
-        # init_from's weights are in (each rank holds the whole tp-local model until then)
-        self.zero3 = None
-        if self.dp_mode == "zero3":
-            self.zero3 = parallel.shard_blocks(self.model, self.ps, compute_dtype=self.amp_dtype)
-            self.sharded_ids = tp_sharded_param_ids(self.model)
 
     # ---------------------------------------------------------------- checkpoints
     def _resume(self) -> Optional[Dict]:
