@@ -88,6 +88,14 @@ def test_a_resumed_run_keeps_its_trained_weights_not_the_hugging_face_ones(ranks
     assert step == 2 and resumed == trained
 
 
+def test_a_resumed_zero3_run_keeps_its_trained_weights_not_the_hugging_face_ones(ranks, tmp_path):
+    hf_dir = save_tiny_hf("llama", str(tmp_path / "llama"))
+    cfg = tiny_config(write_corpus(str(tmp_path)), tp=1, fsdp="zero3", model={"init_from": hf_dir},
+                      checkpoint={"dir": str(tmp_path / "ckpt")})
+    for trained, resumed, step in ranks(2).run(train_then_restart_body, cfg):
+        assert step == 2 and abs(resumed - trained) < 1e-6, (trained, resumed)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])  # tied and untied embeddings
 def test_a_run_from_a_hugging_face_model_under_zero3_starts_at_its_loss(ranks, tmp_path, family):
     hf_dir = save_tiny_hf(family, str(tmp_path / family))
