@@ -199,6 +199,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             raise FloatingPointError(f"loss not finite (start {losses['start']:.4g}, last {losses['last']:.4g})")
         if "note" in extra:
             row["note"] = "; ".join(filter(None, [row.get("note"), extra.pop("note")]))
+        build_peak = extra.pop("_build_peak", None)
         row.update(extra)
         tok_gpu = args.batch * args.seq / ps.tp_size / step_s
         if impl.startswith("tpflash") and ps.tp_size > 1:  # whether the collectives overlapped the GEMMs
@@ -209,7 +210,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             row["note"] = "; ".join(filter(None, [row.get("note"), f"comm {peer_collectives.comm_backend()}"]))
         row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu,
                    mfu=tok_gpu * flops_per_token(shape, args) / (args.peak_tflops * 1e12),
-                   **_peak_gib(ps.device))
+                   **_peak_gib(ps.device, build_peak))
     except Exception as exc:  # one failing configuration must not kill the table
         row["error"] = describe(exc)
     finally:
@@ -231,7 +232,12 @@ def _measure(impl, shape, args, ps, fallback: bool):
         opt = Zero1Optimizer(model.zero1, opt)
     if getattr(model, "zero3", None) is not None:
         opt = Zero3Optimizer(model.zero3, opt)
+    build_peak = None
+    if ps.device.type == "cuda":  # the build's peak (warm-up passes and graph capture included) apart
+        build_peak = torch.cuda.max_memory_allocated(ps.device)
+        torch.cuda.reset_peak_memory_stats(ps.device)
     step_s, losses, extra = time_steps(loss_fn, step_context, opt, args, ps)
+    extra["_build_peak"] = build_peak
     return model, opt, step_s, losses, extra
 
 
@@ -282,16 +288,18 @@ def flops_per_token(shape: dict, args) -> float:
     return 6.0 * (layers * (2 * d * d + 2 * d * kv + mlp) + args.vocab * d) + 12.0 * layers * d * args.seq
 
 
-def _peak_gib(device) -> Dict[str, float]:
-    """The row's peak memory, the largest over the ranks: what tensors held (`peak_gib`) and what the
-    caching allocator reserved (`reserved_gib`: CUDA graphs' pools whole, also the parts their replays
-    use that no live tensor holds between them)."""
+def _peak_gib(device, build_peak: Optional[int]) -> Dict[str, float]:
+    """The row's peak memory, the largest over the ranks: what tensors held over the whole row
+    (`peak_gib`) and during the timed steps alone (`steps_peak_gib`; the rest is the build: warm-up
+    passes, graph capture), and what the caching allocator reserved (`reserved_gib`: CUDA graphs'
+    pools whole, also the parts their replays use that no live tensor holds between them)."""
     if device.type != "cuda":
         return {"peak_gib": float("nan")}
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+    steps = torch.cuda.max_memory_allocated(device)
+    peak = torch.tensor([max(steps, build_peak or 0), steps, torch.cuda.max_memory_reserved(device)],
                         dtype=torch.float64, device=device) / 2 ** 30
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"peak_gib": peak[0].item(), "reserved_gib": peak[1].item()}
+    return {"peak_gib": peak[0].item(), "steps_peak_gib": peak[1].item(), "reserved_gib": peak[2].item()}
 
 
 def parse_args(argv=None):
