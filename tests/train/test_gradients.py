@@ -86,39 +86,3 @@ def test_a_norm_that_is_not_a_tensor_is_refused_before_the_step():
     for p, b in zip(params, before):
         torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
 
-
-
-def sharded_clipped_step_body(fold: bool):
-    """Two AdamW steps on DTensor parameters sharded over the 2 ranks (as FSDP2 and zero3 hold them),
-    clipped by a fused AdamW's own kernel (fold) or by clip_grads_ first; the full tensors after."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from tpflash.train.gradients import global_grad_norm
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    full = _params_with_grads(10.0)
-    params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in full]
-    grads = [distribute_tensor(p.grad, mesh, [Shard(0)]) for p in full]
-    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, fused=True)
-    seen, step = [], opt.step
-    opt.step = lambda: (seen.append(hasattr(opt, "grad_scale")), step())
-    for _ in range(2):
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        norm = global_grad_norm(torch.nn.Module(), None, dist.group.WORLD, True, set(), params=params)
-        if fold:
-            clipped_step(opt, params, norm, 1.0)
-        else:
-            clip_grads_(params, norm, 1.0)
-            opt.step()
-    return seen, [p.detach().full_tensor() for p in params] + [p.grad.full_tensor() for p in params]
-
-
-@pytest.mark.cpu_ranks
-def test_fused_adamw_clips_dtensor_shards_in_its_kernel_like_clip_grads_then_step(ranks):
-    want = ranks(2).run(sharded_clipped_step_body, False)
-    got = ranks(2).run(sharded_clipped_step_body, True)
-    for (seen, tensors), (_, expected) in zip(got, want):
-        assert seen == [True, True], "the fused step was not handed the clipping"
-        for g, w in zip(tensors, expected):
-            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)

@@ -83,15 +83,12 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor, 
 
 def _step_divides_grads(optimizer: torch.optim.Optimizer) -> bool:
     """Whether optimizer.step() divides each gradient by `optimizer.grad_scale` as it reads it: torch's
-    fused Adam/AdamW (the protocol torch.amp.GradScaler uses), over plain tensors or over DTensors
-    alone (FSDP2's and zero3's shards: each rank's step scales its own), with no grad_scale already
-    set (by a GradScaler)."""
+    fused Adam/AdamW (the protocol torch.amp.GradScaler uses), over plain tensors, with no grad_scale
+    already set (by a GradScaler)."""
     groups = optimizer.param_groups
-    params = [p for g in groups for p in g["params"]]
-    plain = all(type(p) in (torch.nn.Parameter, torch.Tensor) for p in params)
     return (isinstance(optimizer, torch.optim.Adam) and getattr(optimizer, "_step_supports_amp_scaling", False)
             and not hasattr(optimizer, "grad_scale") and all(g.get("fused") for g in groups)
-            and (plain or all(hasattr(p, "device_mesh") for p in params)))
+            and all(type(p) in (torch.nn.Parameter, torch.Tensor) for g in groups for p in g["params"]))
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor,
@@ -100,8 +97,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Par
     clipped); the gradients are left scaled. A fused torch Adam/AdamW does the scaling inside its own
     kernel: it is handed max(1, total_norm / max_norm) as `grad_scale`, divides each gradient by it as
     it reads it and writes it back scaled. That saves clip_grads_'s own read of every gradient (5.2 GB
-    on a gpt-1.3b step). Other optimizers, and plain parameters mixed with DTensors, get clip_grads_,
-    then step()."""
+    on a gpt-1.3b step). Other optimizers, and FSDP's DTensor parameters, get clip_grads_, then step()."""
     if not isinstance(total_norm, torch.Tensor):
         raise TypeError(f"total_norm must be a tensor (as global_grad_norm returns), got {type(total_norm).__name__} "
                         f"{total_norm!r}")
