@@ -4,6 +4,7 @@ backward, for both recipes; and the result stays near the full-precision one."""
 import pytest
 import torch
 
+from tests.kernels.helpers import needs_interpreter
 from tpflash.kernels.fp8 import E4M3, E5M2, quantize, scaled_mm
 from tpflash.layers.fp8_linear import fp8_linears
 from tpflash.models import GPT, GPTConfig
@@ -142,7 +143,7 @@ def _hopper_scaled_mm(calls):
             assert scale_a.shape == (m, 1) and scale_a.is_contiguous(), (scale_a.shape, scale_a.stride())
             assert scale_b.shape == (1, n) and scale_b.is_contiguous(), (scale_b.shape, scale_b.stride())
             assert out_dtype == torch.bfloat16
-        calls.append((scaling, a.dtype, b.dtype, out_dtype, tuple(a.shape), tuple(b.shape)))
+        calls.append((scaling, a.dtype, b.dtype, out_dtype, tuple(a.shape), tuple(b.shape), use_fast_accum))
         return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
     return scaled_mm_on_hopper
 
@@ -183,7 +184,8 @@ def test_two_e5m2_operands_are_refused_on_every_device():
 def test_the_fp8_linear_gemms_on_cuda_take_the_formats_and_scales_of_the_recipe(recipe, monkeypatch):
     """The three GEMMs of a layer through scaled_mm's CUDA branch (a strict stand-in for _scaled_mm):
     tensorwise multiplies e4m3 x and W forward and the e5m2 gradient by them backward (dX in the
-    compute dtype, dW in fp32), rowwise e4m3 everywhere in bf16; the results equal the emulated GEMMs'."""
+    compute dtype, dW in fp32), rowwise e4m3 everywhere in bf16; fast accumulation in the forward
+    GEMM only; the results equal the emulated GEMMs'."""
     x, w, dy = operands(m=48, k=32, n=64)
     results, hopper_gemm = [], []
     for on_cuda_branch in (False, True):
@@ -195,14 +197,14 @@ def test_the_fp8_linear_gemms_on_cuda_take_the_formats_and_scales_of_the_recipe(
         y.backward(dy.bfloat16())
         results.append((y.float(), xl.grad, wl.grad))
     bf16 = torch.bfloat16
-    if recipe == "tensorwise":
-        expected = [("tensorwise", E4M3, E4M3, bf16, (48, 32), (32, 64)),  # y = x W^T
-                    ("tensorwise", E5M2, E4M3, bf16, (48, 64), (64, 32)),  # dX = dY W
-                    ("tensorwise", E5M2, E4M3, torch.float32, (64, 48), (48, 32))]  # dW = dY^T x
+    if recipe == "tensorwise":  # the last field: fast accumulation, in the forward GEMM only
+        expected = [("tensorwise", E4M3, E4M3, bf16, (48, 32), (32, 64), True),  # y = x W^T
+                    ("tensorwise", E5M2, E4M3, bf16, (48, 64), (64, 32), False),  # dX = dY W
+                    ("tensorwise", E5M2, E4M3, torch.float32, (64, 48), (48, 32), False)]  # dW = dY^T x
     else:
-        expected = [("rowwise", E4M3, E4M3, bf16, (48, 32), (32, 64)),
-                    ("rowwise", E4M3, E4M3, bf16, (48, 64), (64, 32)),
-                    ("rowwise", E4M3, E4M3, bf16, (64, 48), (48, 32))]
+        expected = [("rowwise", E4M3, E4M3, bf16, (48, 32), (32, 64), True),
+                    ("rowwise", E4M3, E4M3, bf16, (48, 64), (64, 32), False),
+                    ("rowwise", E4M3, E4M3, bf16, (64, 48), (48, 32), False)]
     assert hopper_gemm == expected
     for emulated, on_cuda in zip(*results):
         assert_rel(on_cuda, emulated.double(), 1e-2)  # rowwise dW: rounded to bf16 on the CUDA branch
@@ -309,3 +311,33 @@ def test_fp8_is_accepted_on_ada_hopper_and_newer_and_on_cpu(monkeypatch, capabil
     fp8.check_fp8_device("tensorwise", torch.device("cuda", 0))
     fp8.check_fp8_device("rowwise", "cpu")  # the emulated GEMM
     fp8._capability.cache_clear()
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_interpreter), "reference"])
+def test_a_tensorwise_swiglu_mlp_takes_swiglus_amaxes_with_the_bits_of_computing_them(backend, checkpointed):
+    """ParallelMLP hands its tensorwise GEMMs the amaxes swiglu takes as it writes h and [d_up | d_gate]
+    (docs/fp8.md): the output and every gradient equal those of the same GEMMs taking the amaxes
+    themselves, also when the MLP is recomputed in the backward (activation checkpointing)."""
+    from torch.utils.checkpoint import checkpoint
+    from tpflash.kernels import swiglu, use_backend
+    from tpflash.layers.mlp import ParallelMLP
+    torch.manual_seed(0)
+    mlp = ParallelMLP(32, 48, mlp="swiglu", bias=False, fp8="tensorwise")
+    x, dy = torch.randn(8, 2, 32), torch.randn(8, 2, 32).bfloat16()
+
+    def composed(x):
+        up, gate = fp8_linears(x, [mlp.up_proj.weight, mlp.gate_proj.weight], [None, None], "tensorwise")
+        return fp8_linears(swiglu(up, gate), [mlp.down_proj.weight], [None], "tensorwise")[0]
+
+    results = []
+    for fn in (mlp, composed):
+        xl = x.clone().requires_grad_()
+        mlp.zero_grad()
+        with use_backend(backend):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = checkpoint(fn, xl, use_reentrant=False) if checkpointed else fn(xl)
+            y.backward(dy)
+        results.append([y, xl.grad] + [p.grad for p in mlp.parameters()])
+    for mine, reference in zip(*results):
+        assert torch.equal(mine, reference)

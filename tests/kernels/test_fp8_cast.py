@@ -12,7 +12,7 @@ import torch
 
 from tests.kernels.helpers import DEVICE, compiled_for_h100, h100_program, needs_interpreter
 from tpflash.kernels import use_backend
-from tpflash.kernels.fp8 import E4M3, E5M2, FP8_MAX, cast, quantize, tensor_amax
+from tpflash.kernels.fp8 import E4M3, E5M2, FP8_MAX, cast, cast_stacked, quantize, tensor_amax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FORMATS = pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -136,6 +136,33 @@ def test_tensor_amax_reduces_the_partial_maxima_to_amax_of_x():
     assert got.shape == () and got.dtype == torch.float32 and got == x.float().abs().max()
 
 
+def assert_stacked_cast_equals_casting_the_stack(tensors, fp8, backend="triton"):
+    with use_backend(backend):
+        got = cast_stacked(tensors, fp8, col=True)
+    x8, scale = quantize(torch.cat(tensors), fp8, None)
+    assert torch.equal(got.scale, scale)
+    assert got.row.is_contiguous() and got.col.t().is_contiguous()
+    for layout, out in (("row", got.row), ("col", got.col)):
+        assert out.dtype == fp8 and out.shape == x8.shape
+        assert torch.equal(_bits(out), _bits(x8)), f"{layout}: {(_bits(out) != _bits(x8)).sum().item()} bytes differ"
+
+
+@needs_interpreter
+@FORMATS
+def test_a_stacked_cast_equals_casting_the_stack(fp8):
+    """q/k/v-like weights cast into one fp8 buffer with one scale: the bytes of casting their fp32 stack,
+    whichever of them holds the amax."""
+    x = every_magnitude(torch.float32, rows=21, cols=16)
+    assert_stacked_cast_equals_casting_the_stack([x[:12], x[12:15], x[15:]], fp8)  # the amax in the first
+    assert_stacked_cast_equals_casting_the_stack([x[15:], x[:5], x[5:15]], fp8)  # in the last
+    assert_stacked_cast_equals_casting_the_stack([x[:7]], fp8)
+
+
+def test_on_cpu_a_stacked_cast_is_quantize_of_the_stack():
+    x = every_magnitude(torch.float32, rows=8, cols=16)
+    assert_stacked_cast_equals_casting_the_stack([x[:3], x[3:]], E4M3, backend="auto")
+
+
 def test_on_cpu_cast_is_quantize_in_the_layouts_asked_for():
     x = every_magnitude(torch.float32, rows=8, cols=16)
     got = assert_cast_equals_quantize(x, E4M3, "tensorwise", backend="auto")
@@ -147,21 +174,27 @@ def test_a_column_major_cast_needs_a_matrix():
         cast(torch.ones(2, 3, 4), E4M3, None, col=True)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_fp8_linears_on_the_triton_casts_give_the_reference_bits(recipe):
-    from tests.test_fp8_linear import operands
+def linears_on(backend, recipe, x, w, dy, pieces, device_type):
+    """(y, dx, [dW_i]) of fp8_linears over w split by rows into `pieces` weights (stacked GEMMs)."""
     from tpflash.layers.fp8_linear import fp8_linears
-    x, w, dy = operands(m=12, k=20, n=16)
-    results = []
-    for backend in ("reference", "triton"):
-        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-        with use_backend(backend):
-            y, = fp8_linears(xl, [wl], [None], recipe)
-            y.backward(dy)
-        results.append((y, xl.grad, wl.grad))
-    for ref, got in zip(*results):
-        assert torch.equal(ref, got)
+    xl = x.clone().requires_grad_()
+    ws = [p.clone().requires_grad_() for p in w.chunk(pieces)]
+    with use_backend(backend), torch.autocast(device_type, dtype=torch.bfloat16):
+        ys = fp8_linears(xl, ws, [None] * pieces, recipe)
+    with use_backend(backend):
+        torch.cat(ys, dim=-1).backward(dy)
+    return [torch.cat(ys, dim=-1), xl.grad] + [p.grad for p in ws]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pieces", [1, 3], ids=["one-weight", "stacked"])
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_linears_on_the_triton_casts_give_the_reference_bits(recipe, pieces):
+    from tests.test_fp8_linear import operands
+    x, w, dy = operands(m=12, k=20, n=18)
+    ref, got = (linears_on(backend, recipe, x, w, dy.bfloat16(), pieces, "cpu") for backend in ("reference", "triton"))
+    for r, g in zip(ref, got):
+        assert torch.equal(r, g)
 
 
 def test_the_benchmark_cpu_smoke_run_prints_a_row_per_cast_and_impl():
@@ -185,7 +218,7 @@ import torch
 amax_sig = {"X": "*bf16", "PARTIALS": "*fp32", "rows": "i32", "cols": "i32", "stride_row": "i64",
             "rows_per_split": "i32", "PER_COLUMN": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
 cast_sig = {"X": "*bf16", "OUT_ROW": "*fp8e4nv", "OUT_COL": "*fp8e4nv", "SCALE": "*fp32", "AMAX": "*fp32",
-            "rows": "i32", "cols": "i32", "stride_row": "i64", "amax_count": "i32"}
+            "rows": "i32", "cols": "i32", "stride_row": "i64", "stride_col": "i64", "amax_count": "i32"}
 cast_sig.update({k: "constexpr" for k in ("SCALE_BY", "WRITE_ROW", "WRITE_COL", "FP8_MAX", "MANTISSA", "MIN_EXP",
                                           "BLOCK_R", "BLOCK_C", "BLOCK_A")})
 target, n = GPUTarget("cuda", 90, 32), 0
@@ -246,21 +279,25 @@ def test_nan_and_inf_come_out_as_in_quantize_on_gpu(scaling, fp8):
 
 
 @pytest.mark.gpu
+@FORMATS
+def test_a_stacked_cast_equals_casting_the_stack_on_gpu(fp8):
+    x = every_magnitude(torch.float32, rows=2560, cols=2048, device=DEVICE)  # llama-1b's q/k/v weights
+    assert_stacked_cast_equals_casting_the_stack([x[:2048], x[2048:2304], x[2304:]], fp8)
+    assert_stacked_cast_equals_casting_the_stack([x[2304:], x[:2304]], fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pieces", [1, 3], ids=["one-weight", "stacked"])
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_fp8_linears_on_the_triton_casts_give_the_reference_bits_on_gpu(recipe, monkeypatch):
+def test_fp8_linears_on_the_triton_casts_give_the_reference_bits_on_gpu(recipe, pieces, monkeypatch):
     """Reference casts against the Triton casts, forward and backward (which autograd runs on its own
     thread on CUDA: the environment variable and use_backend both reach it)."""
     from tests.test_fp8_linear import operands
-    from tpflash.layers.fp8_linear import fp8_linears
     x, w, dy = (t.to(DEVICE) for t in operands(m=512, k=1024, n=768))
     results = []
     for backend in ("reference", "triton"):
         monkeypatch.setenv("TPFLASH_KERNELS", backend)
-        xl, wl = x.bfloat16().requires_grad_(), w.clone().requires_grad_()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y, = fp8_linears(xl, [wl], [None], recipe)
-        y.backward(dy.bfloat16())
-        results.append((y, xl.grad, wl.grad))
-    for name, ref, got in zip(("y", "dx", "dw"), *results):
+        results.append(linears_on(backend, recipe, x.bfloat16(), w, dy.bfloat16(), pieces, "cuda"))
+    for name, ref, got in zip(["y", "dx"] + [f"dw{i}" for i in range(pieces)], *results):
         assert torch.isfinite(ref).all(), f"{name}: the reference casts give non-finite values"
         assert torch.equal(ref, got), f"{name}: {(ref != got).sum().item()} of {ref.numel()} differ"

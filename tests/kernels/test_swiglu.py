@@ -130,6 +130,31 @@ def test_swiglu_grid_covers_every_row_within_the_grid_limit(rows, backward):
     assert (programs - 1) * rows_per_program < rows <= programs * rows_per_program
 
 
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_interpreter), "reference"])
+def test_swiglu_writes_the_amaxes_of_its_output_and_of_its_gradients(backend):
+    """The amaxes fp8 tensorwise GEMMs take from it: max |h| as h is stored, and max |.| over d_up and
+    d_gate, written by the backward before it returns them."""
+    y, up, gate, dh = _stacked(37, 80, torch.bfloat16)
+    dh[5, 7] = 30.0  # the gradients' amax somewhere in the middle
+    h_amax, grad_amax = torch.full((), -1.0), torch.full((), -1.0)
+    with use_backend(backend):
+        h = swiglu(up, gate, (h_amax, grad_amax))
+        assert h_amax == h.float().abs().max()
+        h.backward(dh)
+        assert torch.equal(h, swiglu(up.detach(), gate.detach()))  # the amaxes change nothing else
+    assert grad_amax == y.grad.float().abs().max()
+
+
+@needs_interpreter
+def test_swiglu_amaxes_are_nan_where_a_value_is():
+    y, up, gate, dh = _stacked(16, 40, torch.bfloat16)
+    dh[3, 3] = float("nan")
+    h_amax, grad_amax = torch.zeros(()), torch.zeros(())
+    with use_backend("triton"):
+        swiglu(up, gate, (h_amax, grad_amax)).backward(dh)
+    assert h_amax.isfinite() and grad_amax.isnan()
+
+
 def test_swiglu_reference_matches_silu_times_up():
     up, gate = torch.randn(3, 4, 6).bfloat16(), torch.randn(3, 4, 6).bfloat16()
     out = swiglu(up, gate)  # the reference on CPU
@@ -172,18 +197,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tpflash.kernels.swiglu_kernel import LAUNCH, _swiglu_kernel
-signature = {"UP": "*bf16", "GATE": "*bf16", "DH": "*bf16", "OUT": "*bf16", "OUT_GATE": "*bf16", "rows": "i32",
-             "cols": "i32", "stride_up": "i64", "stride_gate": "i64", "stride_dh": "i64", "stride_out": "i64",
-             "rows_per_program": "i32", "BACKWARD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+signature = {"UP": "*bf16", "GATE": "*bf16", "DH": "*bf16", "OUT": "*bf16", "OUT_GATE": "*bf16", "AMAX": "*fp32",
+             "rows": "i32", "cols": "i32", "stride_up": "i64", "stride_gate": "i64", "stride_dh": "i64",
+             "stride_out": "i64", "rows_per_program": "i32", "BACKWARD": "constexpr", "WITH_AMAX": "constexpr",
+             "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+n = 0
 for backward, cfg in LAUNCH.items():
-    constexprs = {"BACKWARD": backward, "BLOCK_R": cfg["BLOCK_R"], "BLOCK_C": cfg["BLOCK_C"]}
-    compiled = triton.compile(ASTSource(_swiglu_kernel, signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["WARPS"]})
-    assert compiled.asm["cubin"], backward
-print("compiled", len(LAUNCH))
+    for with_amax in (False, True):
+        constexprs = {"BACKWARD": backward, "WITH_AMAX": with_amax, "BLOCK_R": cfg["BLOCK_R"], "BLOCK_C": cfg["BLOCK_C"]}
+        compiled = triton.compile(ASTSource(_swiglu_kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["WARPS"]})
+        n += bool(compiled.asm["cubin"])
+print("compiled", n)
 """)
 
 
 def test_swiglu_kernel_compiles_for_an_h100():
     # the interpreter lets through what Triton's compiler rejects (bias_activation's test says more)
-    assert "compiled 2" in compiled_for_h100(_COMPILE_FOR_H100)
+    assert "compiled 4" in compiled_for_h100(_COMPILE_FOR_H100)

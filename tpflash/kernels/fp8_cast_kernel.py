@@ -94,7 +94,7 @@ def _amax_kernel(X, PARTIALS, rows, cols, stride_row, rows_per_split, PER_COLUMN
 
 
 @triton.jit
-def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, rows, cols, stride_row, amax_count, SCALE_BY: tl.constexpr,
+def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, rows, cols, stride_row, stride_col, amax_count, SCALE_BY: tl.constexpr,
                  WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
                  MIN_EXP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_A: tl.constexpr):
     # program (row block, column block): rows [BLOCK_R], all columns (ROWS) or BLOCK_C of them
@@ -140,7 +140,8 @@ def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, rows, cols, stride_row, amax_
         if WRITE_ROW:
             tl.store(OUT_ROW + r64[:, None] * cols + c[None, :], x8.to(OUT_ROW.dtype.element_ty), mask=mask)
         if WRITE_COL:
-            tl.store(OUT_COL + c.to(tl.int64)[None, :] * rows + r[:, None], x8.to(OUT_COL.dtype.element_ty), mask=mask)
+            tl.store(OUT_COL + c.to(tl.int64)[None, :] * stride_col + r[:, None], x8.to(OUT_COL.dtype.element_ty),
+                     mask=mask)
 
 
 # Launches: [BLOCK_R, BLOCK_C] tiles and warps per kind of program. NOT YET TIMED ON A GPU: chosen by
@@ -183,17 +184,23 @@ def triton_amax(x: torch.Tensor, per_column: bool) -> torch.Tensor:
     return partials if per_column else partials.view(-1)
 
 
-def triton_cast(x: torch.Tensor, dtype: torch.dtype, scale_by: int, amax=None, row: bool = True, col: bool = False):
+def triton_cast(x: torch.Tensor, dtype: torch.dtype, scale_by: int, amax=None, row: bool = True, col: bool = False,
+                out_row: torch.Tensor = None, out_col: torch.Tensor = None):
     """(x8 row-major if `row`, x8 column-major if `col` (else None), fp32 scale) of x [rows, cols]
     (rows, cols > 0; any row stride, last-dim stride 1; bf16, fp16 or fp32) in fp8 `dtype`, scaled by
     ROWS (scale [rows, 1]), COLUMNS ([1, cols]) or TENSOR ([]). amax, for COLUMNS and TENSOR: the
     partial maxima to reduce (triton_amax's), or for TENSOR a given fp32 amax of one element; None
-    takes them from x. Column-major x8 is [rows, cols] with strides (1, rows)."""
+    takes them from x. Column-major x8 is [rows, cols] with strides (1, rows). out_row, out_col: fp8
+    [rows, cols] tensors to write the layouts into instead (rows of larger buffers: strides (cols, 1)
+    and (1, ld) with ld >= rows)."""
     rows, cols = x.shape
     if scale_by != ROWS and amax is None:
         amax = triton_amax(x, per_column=scale_by == COLUMNS)
-    out_row = torch.empty(rows, cols, device=x.device, dtype=dtype) if row else None
-    out_col = torch.empty(cols, rows, device=x.device, dtype=dtype).t() if col else None
+    if row and out_row is None:
+        out_row = torch.empty(rows, cols, device=x.device, dtype=dtype)
+    if col and out_col is None:
+        out_col = torch.empty(cols, rows, device=x.device, dtype=dtype).t()
+    out_row, out_col = out_row if row else None, out_col if col else None
     scale = torch.empty({ROWS: (rows, 1), COLUMNS: (1, cols), TENSOR: ()}[scale_by], device=x.device,
                         dtype=torch.float32)
     amax_count = 0 if amax is None else amax.shape[0] if amax.dim() == 2 else amax.numel()
@@ -211,7 +218,8 @@ def triton_cast(x: torch.Tensor, dtype: torch.dtype, scale_by: int, amax=None, r
     writes = [(True, False), (False, True)] if row and col and x.dtype == torch.float32 else [(row, col)]
     for write_row, write_col in writes:
         _cast_kernel[(triton.cdiv(rows, cfg["BLOCK_R"]), column_programs)](
-            x, out_row, out_col, scale, amax, rows, cols, x.stride(0), amax_count, SCALE_BY=scale_by,
+            x, out_row, out_col, scale, amax, rows, cols, x.stride(0), out_col.stride(1) if col else 0, amax_count,
+            SCALE_BY=scale_by,
             WRITE_ROW=write_row, WRITE_COL=write_col, FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp,
             BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], BLOCK_A=BLOCK_A if x.is_cuda else INTERPRET_BLOCK_A,
             num_warps=cfg["WARPS"])

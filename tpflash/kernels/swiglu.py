@@ -8,20 +8,27 @@ concatenating two tensors.
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 
 from . import dispatch
 from .column_sum import joined_column_blocks
+from .fp8 import amax_of
 from .reference import swiglu_reference
 
 
 class _TritonSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, up, gate):
+    def forward(ctx, up, gate, amaxes):
         from .swiglu_kernel import triton_swiglu
         n = up.shape[-1]
         ctx.save_for_backward(up, gate)  # as given: the GEMM's halves stay views, no copy
-        return triton_swiglu(up.reshape(-1, n), gate.reshape(-1, n)).view(up.shape)
+        # a ctx attribute, not a saved tensor: under activation checkpointing the saved tensors are
+        # recomputed ones, while the GEMM whose backward reads this amax holds the original
+        ctx.grad_amax = None if amaxes is None else amaxes[1]
+        return triton_swiglu(up.reshape(-1, n), gate.reshape(-1, n),
+                             amax_out=None if amaxes is None else amaxes[0]).view(up.shape)
 
     @staticmethod
     def backward(ctx, dh):
@@ -36,13 +43,29 @@ class _TritonSwiGLU(torch.autograd.Function):
             # [d_up | d_gate] as one contiguous [*, 2n] buffer: the stacked GEMM's gradient as it is
             buf = torch.empty(up.shape[:-1] + (2 * n,), device=dh.device, dtype=dh.dtype)
             d_up, d_gate = buf[..., :n], buf[..., n:]
-            triton_swiglu(up2, gate2, dh2, out=(d_up.view(-1, n), d_gate.view(-1, n)))
+            triton_swiglu(up2, gate2, dh2, out=(d_up.view(-1, n), d_gate.view(-1, n)), amax_out=ctx.grad_amax)
         else:
-            d_up, d_gate = (g.view(up.shape) for g in triton_swiglu(up2, gate2, dh2))
-        return d_up, d_gate
+            d_up, d_gate = (g.view(up.shape) for g in triton_swiglu(up2, gate2, dh2, amax_out=ctx.grad_amax))
+        return d_up, d_gate, None
 
 
-def swiglu(up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+class _AmaxOfGradients(torch.autograd.Function):
+    """Identity on (up, gate) whose backward writes the amax of their gradients into grad_amax: the
+    reference path's way of filling swiglu's `amaxes[1]`."""
+
+    @staticmethod
+    def forward(ctx, up, gate, grad_amax):
+        ctx.grad_amax = grad_amax  # an attribute, as in _TritonSwiGLU
+        return up.view_as(up), gate.view_as(gate)
+
+    @staticmethod
+    def backward(ctx, d_up, d_gate):
+        ctx.grad_amax.copy_(torch.maximum(amax_of(d_up, None), amax_of(d_gate, None)))
+        return d_up, d_gate, None
+
+
+def swiglu(up: torch.Tensor, gate: torch.Tensor, amaxes: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+           ) -> torch.Tensor:
     """silu(gate) * up (silu(g) = g * sigmoid(g)), the gated MLP's activation: up and gate [*, n] of
     one shape, dtype and device, each with last-dim stride 1 and any other strides (typically the two
     column halves of one [*, 2n] GEMM output) -> a new contiguous [*, n] tensor. Computes in fp32 and
@@ -53,6 +76,11 @@ def swiglu(up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     of one contiguous [*, 2n] tensor, [up | gate] (column_sum.joined_column_blocks), the gradients
     come back as the two halves [..., :n], [..., n:] of one new contiguous [*, 2n] buffer, which the
     GEMM's backward can take without torch.cat; otherwise as two contiguous tensors.
+
+    amaxes (fp8 tensorwise GEMMs on either side): two 0-d fp32 tensors, (h_amax, grad_amax). The
+    forward writes max |h| into h_amax, the backward the max |.| of d_up and d_gate into grad_amax
+    before returning them: on the Triton path in the same passes that write those tensors, so the
+    GEMMs' fp8 casts need not read them once more for their scales (NaN propagates, as in quantize).
     """
     if up.dim() == 0 or up.shape != gate.shape:
         raise ValueError(f"swiglu: up {tuple(up.shape)} and gate {tuple(gate.shape)} must be [*, n] of one shape")
@@ -64,5 +92,10 @@ def swiglu(up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"swiglu: {name} {tuple(t.shape)} has strides {t.stride()}; "
                              "its last dim must have stride 1")
     if dispatch.pick(up) == "triton" and up.is_floating_point() and up.dtype != torch.float64:
-        return _TritonSwiGLU.apply(up, gate)
-    return swiglu_reference(up, gate)
+        return _TritonSwiGLU.apply(up, gate, amaxes)
+    if amaxes is None:
+        return swiglu_reference(up, gate)
+    h_amax, grad_amax = amaxes
+    h = swiglu_reference(*_AmaxOfGradients.apply(up, gate, grad_amax))
+    h_amax.copy_(amax_of(h.detach(), None))
+    return h

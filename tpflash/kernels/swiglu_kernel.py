@@ -7,6 +7,9 @@ several elementwise passes; here every tensor is read once and written once.
 Every operand is a [rows, cols] view with its own row stride and last-dim stride 1: up and gate are
 usually the two column halves of one [rows, 2 cols] GEMM output, and the two backward outputs can be
 the two halves of one [rows, 2 cols] buffer (the GEMM's gradient, with no torch.cat).
+With AMAX, each program also writes the largest |value| it stored (as stored, in the output dtype;
+NaN wins) to AMAX[program]: the fp8 tensorwise GEMMs on either side take their input's amax from
+there instead of reading the tensor once more.
 """
 from __future__ import annotations
 
@@ -14,15 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_cast_kernel import _max_nan
+
 
 @triton.jit
-def _swiglu_kernel(UP, GATE, DH, OUT, OUT_GATE, rows, cols, stride_up, stride_gate, stride_dh, stride_out,
-                   rows_per_program, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _swiglu_kernel(UP, GATE, DH, OUT, OUT_GATE, AMAX, rows, cols, stride_up, stride_gate, stride_dh, stride_out,
+                   rows_per_program, BACKWARD: tl.constexpr, WITH_AMAX: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
     # Forward: OUT = h. Backward: OUT = du, OUT_GATE = dg, both with row stride stride_out.
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_cols = c < cols
     first = tl.program_id(1) * rows_per_program
     last = tl.minimum(first + rows_per_program, rows)
+    amax = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)  # masked lanes stay 0
     for start in range(first, last, BLOCK_R):
         r = (start + tl.arange(0, BLOCK_R)).to(tl.int64)  # rows * stride passes 2^31 at real sizes
         mask = (r < last)[:, None] & in_cols[None, :]
@@ -32,10 +39,20 @@ def _swiglu_kernel(UP, GATE, DH, OUT, OUT_GATE, rows, cols, stride_up, stride_ga
         at = r[:, None] * stride_out + c[None, :]
         if BACKWARD:
             dh = tl.load(DH + r[:, None] * stride_dh + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(OUT + at, (dh * g * s).to(OUT.dtype.element_ty), mask=mask)
-            tl.store(OUT_GATE + at, (dh * u * s * (1.0 + g * (1.0 - s))).to(OUT_GATE.dtype.element_ty), mask=mask)
+            du = (dh * g * s).to(OUT.dtype.element_ty)
+            dg = (dh * u * s * (1.0 + g * (1.0 - s))).to(OUT_GATE.dtype.element_ty)
+            tl.store(OUT + at, du, mask=mask)
+            tl.store(OUT_GATE + at, dg, mask=mask)
+            if WITH_AMAX:
+                amax = _max_nan(amax, _max_nan(tl.abs(du.to(tl.float32)), tl.abs(dg.to(tl.float32))))
         else:
-            tl.store(OUT + at, (g * s * u).to(OUT.dtype.element_ty), mask=mask)
+            h = (g * s * u).to(OUT.dtype.element_ty)
+            tl.store(OUT + at, h, mask=mask)
+            if WITH_AMAX:
+                amax = _max_nan(amax, tl.abs(h.to(tl.float32)))
+    if WITH_AMAX:
+        program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        tl.store(AMAX + program, tl.reduce(tl.reduce(amax, 1, _max_nan), 0, _max_nan))
 
 
 # The launch per direction: [BLOCK_R, BLOCK_C] tiles, one tile per program unless the rows need more
@@ -59,11 +76,12 @@ def _grid_rows(rows: int, cfg: dict):
     return rows_per_program, max(1, triton.cdiv(rows, rows_per_program))
 
 
-def triton_swiglu(up: torch.Tensor, gate: torch.Tensor, dh=None, out=None):
+def triton_swiglu(up: torch.Tensor, gate: torch.Tensor, dh=None, out=None, amax_out=None):
     """Forward (dh None): silu(gate) * up, a new contiguous [rows, cols] tensor in up's dtype.
     Backward: (du, dg) in dh's dtype, written into `out` = (du, dg) when given (two [rows, cols]
     views with one row stride, e.g. the halves of one [rows, 2 cols] buffer), else into two new
-    contiguous tensors. up, gate, dh: [rows, cols], any row stride, last-dim stride 1."""
+    contiguous tensors. up, gate, dh: [rows, cols], any row stride, last-dim stride 1.
+    amax_out: a 0-d fp32 tensor to receive the amax of what was written (h, or du and dg)."""
     rows, cols = up.shape
     backward = dh is not None
     if backward:
@@ -72,11 +90,17 @@ def triton_swiglu(up: torch.Tensor, gate: torch.Tensor, dh=None, out=None):
     else:
         du = dg = torch.empty(rows, cols, device=up.device, dtype=up.dtype)
     if du.numel() == 0:
+        if amax_out is not None:
+            amax_out.zero_()
         return (du, dg) if backward else du
     cfg = LAUNCH[backward] if up.is_cuda else INTERPRET_LAUNCH
     rows_per_program, row_programs = _grid_rows(rows, cfg)
-    _swiglu_kernel[(triton.cdiv(cols, cfg["BLOCK_C"]), row_programs)](
-        up, gate, dh, du, dg, rows, cols, up.stride(0), gate.stride(0), dh.stride(0) if backward else 0,
-        du.stride(0), rows_per_program, BACKWARD=backward, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"],
-        num_warps=cfg["WARPS"])
+    grid = (triton.cdiv(cols, cfg["BLOCK_C"]), row_programs)
+    partials = None if amax_out is None else torch.empty(grid[0] * grid[1], device=up.device, dtype=torch.float32)
+    _swiglu_kernel[grid](
+        up, gate, dh, du, dg, partials, rows, cols, up.stride(0), gate.stride(0), dh.stride(0) if backward else 0,
+        du.stride(0), rows_per_program, BACKWARD=backward, WITH_AMAX=partials is not None, BLOCK_R=cfg["BLOCK_R"],
+        BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["WARPS"])
+    if partials is not None:
+        torch.amax(partials, dim=0, out=amax_out)  # NaN propagates, as in quantize's amax
     return (du, dg) if backward else du

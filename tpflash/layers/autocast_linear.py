@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..kernels import column_sum, concat_with_column_sum
 from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
-from .fp8_linear import fp8_linears
+from .fp8_linear import Fp8Amaxes, fp8_linears
 from .weight_casts import stacked_cast
 
 
@@ -83,28 +83,30 @@ def _compute_dtype(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Optional
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           fp8: str = "off") -> torch.Tensor:
+           fp8: str = "off", fp8_amaxes: Optional[Fp8Amaxes] = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x [*, in], weight [out, in] -> [*, out]. Under autocast with fp32
     weights that need gradients, the GEMMs run in the autocast dtype as F.linear's would, and the
     weight and bias gradients come out in fp32 without a separate cast (module docstring).
-    fp8 "rowwise" / "tensorwise": the GEMMs in fp8 (tpflash.layers.fp8_linear)."""
+    fp8 "rowwise" / "tensorwise": the GEMMs in fp8 (tpflash.layers.fp8_linear), with fp8_amaxes
+    from the neighbouring kernels where they give them."""
     if fp8 != "off":
-        return fp8_linears(x, [weight], [bias], fp8)[0]
+        return fp8_linears(x, [weight], [bias], fp8, amaxes=fp8_amaxes)[0]
     dtype = _compute_dtype(x, [weight])
     if dtype is None:
         return F.linear(x, weight, bias)
     return _StackedLinear.apply(x, dtype, 1, weight, bias)[0]
 
 
-def linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
-            biases: Sequence[Optional[torch.Tensor]], fp8: str = "off") -> List[torch.Tensor]:
+def linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+            fp8: str = "off", fp8_amaxes: Optional[Fp8Amaxes] = None) -> List[torch.Tensor]:
     """[F.linear(x, W_i, b_i)] for weights sharing the input x (q/k/v, up/gate): x [*, in],
     W_i [out_i, in] -> [*, out_i] each. While gradients are on, the weights are stacked (cast into
     one buffer; inside `weight_casts.cast_once`, a view of its buffer) and multiplied in one GEMM
     per direction: one wider GEMM runs closer to peak than n narrow ones, and x's gradient comes
     out of one GEMM instead of n GEMMs and n-1 additions.
     Without gradients (inference) the n GEMMs run as they are, and no weights are copied.
-    fp8 "rowwise" / "tensorwise": the stacked GEMMs in fp8 (tpflash.layers.fp8_linear)."""
+    fp8 "rowwise" / "tensorwise": the stacked GEMMs in fp8 (tpflash.layers.fp8_linear), with fp8_amaxes
+    (for the stacked outputs) from the neighbouring kernels where they give them."""
     if len(weights) != len(biases):
         raise ValueError(f"linears: {len(weights)} weights but {len(biases)} biases (one per weight, or None)")
     for i, w in enumerate(weights):
@@ -112,12 +114,12 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
             raise ValueError(f"linears: weight {i} has shape {tuple(w.shape)}, but the input's last dim is "
                              f"{x.shape[-1]}: every weight must be [out_i, {x.shape[-1]}]")
     if len(weights) == 1:
-        return [linear(x, weights[0], biases[0], fp8)]
+        return [linear(x, weights[0], biases[0], fp8, fp8_amaxes)]
     some_biases = any(b is not None for b in biases) and not all(b is not None for b in biases)
     if not torch.is_grad_enabled() or some_biases:
         return [linear(x, w, b, fp8) for w, b in zip(weights, biases)]
     if fp8 != "off":
-        return fp8_linears(x, weights, biases, fp8)
+        return fp8_linears(x, weights, biases, fp8, amaxes=fp8_amaxes)
     dtype = _compute_dtype(x, weights) or x.dtype
     return list(_StackedLinear.apply(x, dtype, len(weights), *weights, *biases))
 

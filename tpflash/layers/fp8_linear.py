@@ -24,9 +24,11 @@ by a scheme. Under sequence parallelism the input is cast before the all-gather,
 fp8 (`_cast_input`); the one collective this adds is the tensorwise amax's reduction over tp. The
 casts are tpflash.kernels.fp8.cast (fused Triton kernels on CUDA, quantize elsewhere), which write
 each fp8 operand in the layout its GEMM takes it in: row-major first operands, column-major second
-ones (torch._scaled_mm's), so that no GEMM copies one; tensorwise writes x and W in both layouts from
-one read and saves the column-major ones for the backward. The GEMM itself is
-tpflash.kernels.fp8.scaled_mm (torch._scaled_mm on CUDA, the dequantised GEMM elsewhere).
+ones (torch._scaled_mm's), so that no GEMM copies one; tensorwise writes x in both layouts from one
+read, casts stacked weights into one fp8 buffer without stacking them in fp32 (cast_stacked), and
+saves the column-major x and W for the backward. The GEMM itself is tpflash.kernels.fp8.scaled_mm
+(torch._scaled_mm on CUDA, the dequantised GEMM elsewhere); the forward GEMM uses cuBLASLt's fast
+accumulation, the gradients' GEMMs full accumulation, as torchao's and torchtitan's float8 do.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import column_sum
-from ..kernels.fp8 import E4M3, E5M2, cast, check_fp8_device, scaled_mm, tensor_amax
+from ..kernels.column_sum import concat_rows
+from ..kernels.fp8 import E4M3, E5M2, cast, cast_stacked, check_fp8_device, scaled_mm, tensor_amax
 from ..parallel import comm
 
 FP8_RECIPES = ("off", "rowwise", "tensorwise")
@@ -57,24 +60,38 @@ class _Gather(NamedTuple):
     seq_dim: int
 
 
-def _cast_input(x: torch.Tensor, recipe: str, sp: Optional[_Gather]) -> Tuple[torch.Tensor, torch.Tensor]:
+class Fp8Amaxes(NamedTuple):
+    """Amaxes a tensorwise fp8 linear's neighbours give it, so that its casts read each tensor once:
+    `input`, x's amax (0-d fp32; under SP this rank's tokens'), from x's producer; `grad`, a 0-d fp32
+    tensor that holds the amax of the outputs' gradient [M, sum out_i] by the time the backward runs
+    (the consumer's backward writes it: tpflash.kernels.swiglu). Either may be None."""
+    input: Optional[torch.Tensor] = None
+    grad: Optional[torch.Tensor] = None
+
+
+def _cast_input(x: torch.Tensor, recipe: str, sp: Optional[_Gather], amax: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(x8 [M, K] of the whole input, row-major; its scale: [M, 1] rowwise, 0-d tensorwise). Under
     sequence parallelism this rank's tokens are cast and the fp8 bytes gathered with their scales
     (half the bytes of a bf16 gather), equal bit for bit to gathering x and casting after: rowwise
-    scales are per token, and the tensorwise amax is reduced over the group first."""
+    scales are per token, and the tensorwise amax is reduced over the group first. amax: x's, given
+    (tensorwise)."""
     rowwise = recipe == "rowwise"
     if sp is None:
-        x8, _, scale = cast(x, E4M3, -1 if rowwise else None)
+        x8, _, scale = cast(x, E4M3, -1 if rowwise else None, None if rowwise else amax)
     elif rowwise:
         x8, _, scale = cast(x, E4M3, -1)  # [seq/tp, ..., 1] scales travel with their tokens
         scale = comm.all_gather(scale, sp.seq_dim, sp.group)
     else:
-        amax = tensor_amax(x)
+        amax = tensor_amax(x) if amax is None else amax.clone()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=sp.group)
         x8, _, scale = cast(x, E4M3, None, amax)
     if sp is not None:  # as bytes: not every backend moves fp8 dtypes
         x8 = comm.all_gather(x8.view(torch.uint8), sp.seq_dim, sp.group).view(x8.dtype)
     return x8.reshape(-1, x8.shape[-1]), scale.reshape(-1, 1) if rowwise else scale
+
+
+_PARAMS = 6  # _Fp8Linear.apply's arguments before the weights and biases
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -83,23 +100,27 @@ class _Fp8Linear(torch.autograd.Function):
     for x (reduce-scattered under `sp`), the parameters' dtypes (fp32 accumulation) for W, b."""
 
     @staticmethod
-    def forward(ctx, x, recipe, out_dtype, sp, n, *params):
+    def forward(ctx, x, recipe, out_dtype, sp, amaxes, n, *params):
         weights, biases = params[:n], params[n:]
         ctx.recipe, ctx.sp, ctx.out_dtype, ctx.device = recipe, sp, out_dtype, x.device
+        ctx.grad_amax = amaxes.grad  # an attribute: filled by the consumer's backward before this one runs
         ctx.sizes = [w.shape[0] for w in weights]
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.full_shape = x.shape if sp is None else \
             x.shape[:sp.seq_dim] + (x.shape[sp.seq_dim] * sp.group.size(),) + x.shape[sp.seq_dim + 1:]
         tensorwise = recipe == "tensorwise"
-        want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:5 + n])
+        want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[_PARAMS:_PARAMS + n])
         if tensorwise and want_dw and sp is None:  # both layouts from one read: the column-major one for dW
-            x8, x8_saved, sx = cast(x.reshape(-1, x.shape[-1]), E4M3, None, col=True)
+            x8, x8_saved, sx = cast(x.reshape(-1, x.shape[-1]), E4M3, None, amaxes.input, col=True)
         else:
-            x8, sx = _cast_input(x, recipe, sp)  # [M, K]
+            x8, sx = _cast_input(x, recipe, sp, amaxes.input)  # [M, K]
             x8_saved = x8  # under sp row-major: scaled_mm copies it for dW
-        w = _stack(weights)  # [N, K]
-        w8, w8_col, sw = cast(w, E4M3, None if tensorwise else -1, col=tensorwise and want_dx)
-        y = scaled_mm(x8, sx, w8.t(), sw.t(), out_dtype)  # [M, N]
+        if tensorwise:  # [N, K] stacked in fp8, not in the weights' fp32
+            w8, w8_col, sw = cast_stacked(weights, E4M3, col=want_dx)
+        else:
+            w = _stack(weights)  # [N, K], saved: the backward casts it per column
+            w8, _, sw = cast(w, E4M3, -1)
+        y = scaled_mm(x8, sx, w8.t(), sw.t(), out_dtype, fast_accum=True)  # [M, N]
         if biases[0] is not None:
             y = y + _stack(biases).to(out_dtype)
         if tensorwise:  # the fp8 x (half the bytes of the bf16 one) and W, column-major for the backward's GEMMs
@@ -114,12 +135,12 @@ class _Fp8Linear(torch.autograd.Function):
         m = ctx.full_shape[:-1].numel()
         grads = [torch.zeros(m, size, dtype=ctx.out_dtype, device=ctx.device) if g is None else g.reshape(m, size)
                  for g, size in zip(grad_ys, ctx.sizes)]
-        dy = grads[0] if n == 1 else torch.cat(grads, dim=1)  # [M, N]
-        want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:5 + n])
+        dy = grads[0] if n == 1 else concat_rows(grads)  # [M, N]; no copy where they are one buffer's blocks
+        want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[_PARAMS:_PARAMS + n])
         dx = dw = None
         if ctx.recipe == "tensorwise":
             x8, sx, w8, sw = ctx.saved_tensors  # [M, K], [N, K] column-major (under sp x8 row-major: copied)
-            dy8, dy8_col, sdy = cast(dy, E5M2, None, row=want_dx, col=want_dw)  # [M, N]
+            dy8, dy8_col, sdy = cast(dy, E5M2, None, ctx.grad_amax, row=want_dx, col=want_dw)  # [M, N]
             dx = scaled_mm(dy8, sdy, w8, sw, ctx.out_dtype) if want_dx else None
             dw = scaled_mm(dy8_col.t(), sdy, x8, sx, torch.float32) if want_dw else None
         else:
@@ -136,25 +157,26 @@ class _Fp8Linear(torch.autograd.Function):
         grad_params: List[Optional[torch.Tensor]] = [None] * (2 * n)
         if dw is not None:
             grad_params[:n] = dw.split(ctx.sizes)
-        if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[5 + n:]):
+        if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[_PARAMS + n:]):
             grad_params[n:] = column_sum(dy).split(ctx.sizes)
         grad_params = [None if g is None else g.to(dt) for g, dt in zip(grad_params, ctx.param_dtypes)]
         if dx is not None:
             dx = dx.view(ctx.full_shape)
             if sp is not None:
                 dx = comm.reduce_scatter(dx, sp.seq_dim, sp.group)
-        return (dx, None, None, None, None, *grad_params)
+        return (dx,) + (None,) * (_PARAMS - 1) + tuple(grad_params)
 
 
 def fp8_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                 recipe: str, sequence_parallel_group: Optional[dist.ProcessGroup] = None,
-                seq_dim: int = 0) -> List[torch.Tensor]:
+                seq_dim: int = 0, amaxes: Optional[Fp8Amaxes] = None) -> List[torch.Tensor]:
     """[x W_i^T + b_i] with fp8 GEMMs under `recipe` ("rowwise" or "tensorwise"): x [*, in], W_i
     [out_i, in] -> [*, out_i] each, in the autocast dtype under autocast, else x's dtype (x is cast to
     it first, as F.linear under autocast would). Biases: all present or all None.
     sequence_parallel_group: x is this rank's [seq/tp, ...] tokens; they are cast to fp8 and
     all-gathered along `seq_dim` (x's gradient reduce-scattered), and the outputs hold the whole
-    sequence."""
+    sequence. amaxes (tensorwise; rowwise ignores them): Fp8Amaxes from the neighbouring kernels; the
+    input's is used only where x is in the compute dtype already (a converted x has other values)."""
     if recipe not in FP8_RECIPES[1:]:
         raise ValueError(f"fp8_linears: recipe {recipe!r} must be 'rowwise' or 'tensorwise'")
     if any(b is None for b in biases) and not all(b is None for b in biases):
@@ -165,6 +187,9 @@ def fp8_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequen
     sp = None
     if sequence_parallel_group is not None and sequence_parallel_group.size() > 1:
         sp = _Gather(sequence_parallel_group, seq_dim % x.dim())
+    amaxes = amaxes if amaxes is not None and recipe == "tensorwise" else Fp8Amaxes()
+    if x.dtype != out_dtype:
+        amaxes = amaxes._replace(input=None)
     with torch.autocast(device, enabled=False):
         x = x.to(out_dtype)
-        return list(_Fp8Linear.apply(x, recipe, out_dtype, sp, len(weights), *weights, *biases))
+        return list(_Fp8Linear.apply(x, recipe, out_dtype, sp, amaxes, len(weights), *weights, *biases))

@@ -34,7 +34,7 @@ from ..parallel import comm, overlap as _overlap
 from ..parallel.sharding import ShardSpec, take_shards
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 from .autocast_linear import add_bias, linear, linears
-from .fp8_linear import check_fp8_recipe, fp8_linears
+from .fp8_linear import Fp8Amaxes, check_fp8_recipe, fp8_linears
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -86,7 +86,8 @@ def _pipelined(layer: nn.Module) -> bool:
 def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
                             biases: Sequence[Optional[torch.Tensor]], group, sequence_parallel: bool,
                             overlap: Optional[bool] = None, seq_dim: int = 0,
-                            save_gathered_input: Optional[bool] = None, fp8: str = "off") -> List[torch.Tensor]:
+                            save_gathered_input: Optional[bool] = None, fp8: str = "off",
+                            fp8_amaxes: Optional[Fp8Amaxes] = None) -> List[torch.Tensor]:
     """[F.linear(x_full, W_i, b_i)] for column-parallel weights W_i [out_i/tp, in] sharing one input.
 
     One input collective serves them all (q/k/v, up/gate): under SP x [seq/tp, b, in] is
@@ -94,14 +95,15 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     tpflash.parallel.overlap) and its gradient reduce-scattered; otherwise x is replicated and
     its gradient all-reduced. Returns [seq, b, out_i/tp] per weight. Process group: `group`.
     fp8 "rowwise" / "tensorwise": the GEMMs in fp8 (tpflash.layers.fp8_linear); under SP the input is
-    cast first and gathered in fp8 (no overlap pipelining).
+    cast first and gathered in fp8 (no overlap pipelining). fp8_amaxes: x's amax (this rank's part)
+    and the stacked outputs' gradient's, from the neighbouring kernels (Fp8Amaxes).
     """
     if fp8 != "off" and sequence_parallel and group_size(group) > 1:
-        return fp8_linears(x, weights, biases, fp8, group, seq_dim)
+        return fp8_linears(x, weights, biases, fp8, group, seq_dim, fp8_amaxes)
     if fp8 == "off" and _overlapped(sequence_parallel, seq_dim, group, overlap):
         return _overlap.all_gather_linear(x, weights, biases, group, save_gathered_input)
     x = column_parallel_input(x, group, sequence_parallel, seq_dim)  # [seq, *, in]
-    return linears(x, weights, biases, fp8)  # one GEMM over the stacked weights
+    return linears(x, weights, biases, fp8, fp8_amaxes)  # one GEMM over the stacked weights
 
 
 def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool, seq_dim: int = 0) -> torch.Tensor:
@@ -226,7 +228,11 @@ class RowParallelLinear(nn.Module):
         take_shards(layer, {"weight": linear.weight, "bias": linear.bias})
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fp8_input_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [*, in/tp] (input_is_parallel) or [*, in] -> [*, out] (module docstring). fp8_input_amax:
+        x's amax (0-d fp32) from its producer, for tensorwise fp8; used where x reaches the GEMM as
+        given (not split or padded here)."""
+        amaxes = Fp8Amaxes(fp8_input_amax if self.input_is_parallel and not self.local_padding else None)
         if not self.input_is_parallel:
             if self.padded_in_features != self.in_features:  # [*, in] -> [*, padded]: zero padding features
                 x = F.pad(x, (0, self.padded_in_features - self.in_features))
@@ -236,8 +242,8 @@ class RowParallelLinear(nn.Module):
         if self.fp8 == "off" and _pipelined(self):  # each peer's rows computed and sent while the next are computed
             return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp())
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue
-            return linear(x, self.weight, self.bias, self.fp8)
-        return self.reduce_partial_sum(linear(x, self.weight, fp8=self.fp8))
+            return linear(x, self.weight, self.bias, self.fp8, amaxes)
+        return self.reduce_partial_sum(linear(x, self.weight, fp8=self.fp8, fp8_amaxes=amaxes))
 
     def reduce_partial_sum(self, y: torch.Tensor) -> torch.Tensor:
         """This layer's output from the rank's partial product y = x_local W_local^T [*, out]: summed over

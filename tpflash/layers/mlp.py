@@ -10,7 +10,7 @@ from .. import kernels
 from ..parallel.state import group_size, resolve_tp_group, sublayer_group
 from ..kernels.fused_dense import fused_dense_gelu_dense
 from ..kernels.reference import ACTIVATION_FUNCTIONS
-from .fp8_linear import check_fp8_recipe
+from .fp8_linear import Fp8Amaxes, check_fp8_recipe
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears
 
 ACTIVATIONS = ACTIVATION_FUNCTIONS  # the non-gated MLP's: "gelu" (tanh, GPT-2's), "gelu_exact", "relu"
@@ -87,10 +87,16 @@ class ParallelMLP(nn.Module):
             h = ACTIVATIONS[self.mlp](y) if up_bias is None else kernels.bias_activation(y, up_bias, self.mlp)
         else:
             projections = [self.up_proj, self.gate_proj]
+            # tensorwise fp8: swiglu takes the amaxes of h and of [d_up | d_gate] as it writes them, for
+            # the casts of the GEMMs on either side (each a 0-d fp32, filled by swiglu's forward / backward)
+            amaxes = [torch.empty((), device=x.device, dtype=torch.float32) for _ in range(2)] \
+                if self.fp8 == "tensorwise" and torch.is_grad_enabled() else None
             up, gate = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
-                                               self.process_group, self.sequence_parallel, fp8=self.fp8)  # [seq, b, ffn/tp] each
+                                               self.process_group, self.sequence_parallel, fp8=self.fp8,
+                                               fp8_amaxes=Fp8Amaxes(grad=amaxes[1]) if amaxes else None)  # [seq, b, ffn/tp] each
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
-            h = kernels.swiglu(up, gate)
+            h = kernels.swiglu(up, gate, amaxes)
+            return self.down_proj(h, fp8_input_amax=amaxes[0] if amaxes else None)
         return self.down_proj(h)  # [seq(/tp), b, hidden]
 
     def extra_repr(self) -> str:
