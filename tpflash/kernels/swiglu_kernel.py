@@ -65,12 +65,16 @@ LAUNCH = {False: {"BLOCK_R": 1, "BLOCK_C": 1024, "WARPS": 4},
           True: {"BLOCK_R": 1, "BLOCK_C": 1024, "WARPS": 8}}
 INTERPRET_LAUNCH = {"BLOCK_R": 16, "BLOCK_C": 32, "WARPS": 1}  # CPU: small tiles, few programs
 MAX_ROW_PROGRAMS = 65535  # CUDA's limit on the grid's second dimension
+# With AMAX each program reduces its maxima once, at its end: over this many rows (at least), so that
+# the reduction and the partial maxima it writes stay a small part of the pass.
+AMAX_ROWS_PER_PROGRAM = 16
 
 
-def _grid_rows(rows: int, cfg: dict):
-    """(rows per program, row programs): one tile of rows each, or more rows (a multiple of BLOCK_R)
-    per program for long inputs, so that the row programs fit in the grid's second dimension."""
-    rows_per_program = cfg["BLOCK_R"]
+def _grid_rows(rows: int, cfg: dict, min_rows_per_program: int = 1):
+    """(rows per program, row programs): one tile of rows each (or min_rows_per_program rows, rounded
+    up to a multiple of BLOCK_R), or more rows per program for long inputs, so that the row programs
+    fit in the grid's second dimension."""
+    rows_per_program = triton.cdiv(min_rows_per_program, cfg["BLOCK_R"]) * cfg["BLOCK_R"]
     if triton.cdiv(rows, rows_per_program) > MAX_ROW_PROGRAMS:
         rows_per_program = triton.cdiv(triton.cdiv(rows, MAX_ROW_PROGRAMS), cfg["BLOCK_R"]) * cfg["BLOCK_R"]
     return rows_per_program, max(1, triton.cdiv(rows, rows_per_program))
@@ -94,7 +98,7 @@ def triton_swiglu(up: torch.Tensor, gate: torch.Tensor, dh=None, out=None, amax_
             amax_out.zero_()
         return (du, dg) if backward else du
     cfg = LAUNCH[backward] if up.is_cuda else INTERPRET_LAUNCH
-    rows_per_program, row_programs = _grid_rows(rows, cfg)
+    rows_per_program, row_programs = _grid_rows(rows, cfg, 1 if amax_out is None else AMAX_ROWS_PER_PROGRAM)
     grid = (triton.cdiv(cols, cfg["BLOCK_C"]), row_programs)
     partials = None if amax_out is None else torch.empty(grid[0] * grid[1], device=up.device, dtype=torch.float32)
     _swiglu_kernel[grid](
