@@ -224,6 +224,29 @@ class _NotPlain(torch.Tensor):
     """Stands in for a DTensor/FSDP parameter: anything but a plain tensor."""
 
 
+@pytest.mark.parametrize("fp8", ["off", "tensorwise"])
+def test_graphed_blocks_under_autocast_give_the_eager_gradients_bit_for_bit(fp8):
+    """The backward is captured outside autocast, as autograd runs it eagerly: under bf16 autocast a
+    replay's gradients are the eager model's bits (captured under autocast, the CPU stand-in's
+    fp32 GEMMs in the backward, e.g. fp32 weight gradients, ran in bf16)."""
+    def loss_and_grads(graphed):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset("llama-tiny", vocab_size=VOCAB, block_size=16, n_layer=2, n_embd=32, n_head=4,
+                                     n_kv_head=2, ffn_hidden=64, fp8=fp8))
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        if graphed:
+            with autocast:
+                model.capture_cuda_graphs(BATCH, SEQ)
+        idx, targets = batch(0, "cpu")
+        with autocast:
+            loss = model(idx, targets)
+        loss.backward()
+        assert (model._graphed_blocks is not None) == graphed
+        return [loss] + [p.grad for p in model.parameters()]
+    for eager, graphed in zip(loss_and_grads(False), loss_and_grads(True)):
+        assert torch.equal(eager, graphed)
+
+
 def test_capture_rejects_parameters_that_are_not_plain_tensors():
     model = GPT(config(False))
     up = model.blocks[1].mlp.up_proj

@@ -45,6 +45,12 @@ from . import weight_casts
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
 
 
+# The backward is captured outside autocast, as autograd runs it eagerly: its ops take the dtypes the
+# forward saved (under autocast a fp32 GEMM there would run in bf16; recomputation under activation
+# checkpointing restores the forward's autocast by itself).
+NO_AUTOCAST: Tuple[bool, Optional[torch.dtype]] = (False, None)
+
+
 def _autocast_state(device_type: str) -> Tuple[bool, Optional[torch.dtype]]:
     if not torch.is_autocast_enabled(device_type):
         return False, None
@@ -116,7 +122,8 @@ class GraphedBlocks:
     """blocks[0](x, None) -> ... -> blocks[-1] as a captured forward and backward.
 
     `sample_x`: an input like the ones to replay, e.g. the embedding output [seq(/tp), batch, hidden];
-    capture runs under the caller's autocast (its dtype, never its cache) and grad mode must be on.
+    the forward is captured under the caller's autocast (its dtype, never its cache), the backward outside
+    it as autograd runs it eagerly; grad mode must be on.
     Calling returns (out, residual) of the last block, differentiable in x and in every block
     parameter, like the eager loop. The blocks' collectives use their own process groups; every
     rank of those groups must capture together. `overlapped`: whether the capture overlapped the
@@ -172,10 +179,11 @@ class GraphedBlocks:
                 self.dp_sync.warm_up()
         else:
             self.fwd_graph = _EagerGraph(device.type, self.autocast_state)
-            self.bwd_graph = _EagerGraph(device.type, self.autocast_state)
+            self.bwd_graph = _EagerGraph(device.type, NO_AUTOCAST)
         with _autocast(device.type, self.autocast_state):
             self.fwd_graph.capture(self._forward)
-            self.static_grad_out = tuple(torch.empty_like(o) for o in self.outputs)
+        self.static_grad_out = tuple(torch.empty_like(o) for o in self.outputs)
+        with _autocast(device.type, NO_AUTOCAST):
             self.bwd_graph.capture(self._backward)
 
     # ---- what the graphs run --------------------------------------------------------------------
@@ -238,10 +246,13 @@ class GraphedBlocks:
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), _autocast(self.static_x.device.type, self.autocast_state):
+        device_type = self.static_x.device.type
+        with torch.cuda.stream(stream):
             for _ in range(WARMUP_ITERS):
-                outs = self._run_blocks(self.static_x)
-                self._differentiate(outs, [torch.ones_like(o) for o in outs])
+                with _autocast(device_type, self.autocast_state):
+                    outs = self._run_blocks(self.static_x)
+                with _autocast(device_type, NO_AUTOCAST):
+                    self._differentiate(outs, [torch.ones_like(o) for o in outs])
         torch.cuda.synchronize()
 
     # ---- replay -----------------------------------------------------------------------------------
