@@ -45,9 +45,9 @@ from . import weight_casts
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
 
 
-# The backward is captured outside autocast, as autograd runs it eagerly: its ops take the dtypes the
-# forward saved (under autocast a fp32 GEMM there would run in bf16; recomputation under activation
-# checkpointing restores the forward's autocast by itself).
+# The backward is captured outside autocast, as the eager backward of PyTorch's AMP recipe runs (backward
+# called outside autocast): its ops take the dtypes the forward saved, where under autocast an fp32 GEMM
+# there would run in bf16; recomputation under activation checkpointing restores the forward's autocast.
 NO_AUTOCAST: Tuple[bool, Optional[torch.dtype]] = (False, None)
 
 
@@ -123,7 +123,7 @@ class GraphedBlocks:
 
     `sample_x`: an input like the ones to replay, e.g. the embedding output [seq(/tp), batch, hidden];
     the forward is captured under the caller's autocast (its dtype, never its cache), the backward outside
-    it as autograd runs it eagerly; grad mode must be on.
+    it (NO_AUTOCAST); grad mode must be on.
     Calling returns (out, residual) of the last block, differentiable in x and in every block
     parameter, like the eager loop. The blocks' collectives use their own process groups; every
     rank of those groups must capture together. `overlapped`: whether the capture overlapped the
