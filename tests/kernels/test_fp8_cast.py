@@ -163,6 +163,12 @@ def test_on_cpu_a_stacked_cast_is_quantize_of_the_stack():
     assert_stacked_cast_equals_casting_the_stack([x[:3], x[3:]], E4M3, backend="auto")
 
 
+def test_a_stacked_cast_of_tensors_of_other_widths_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"cast_stacked: the tensors must be 2-D with one width, \[n_i, K\]; "
+                                         r"got \[\(3, 16\), \(2, 8\)\]"):
+        cast_stacked([torch.ones(3, 16), torch.ones(2, 8)], E4M3)
+
+
 def test_on_cpu_cast_is_quantize_in_the_layouts_asked_for():
     x = every_magnitude(torch.float32, rows=8, cols=16)
     got = assert_cast_equals_quantize(x, E4M3, "tensorwise", backend="auto")

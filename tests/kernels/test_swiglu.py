@@ -157,6 +157,13 @@ def test_swiglu_amaxes_are_nan_where_a_value_is():
     assert h_amax.isfinite() and grad_amax.isnan()
 
 
+def test_swiglu_amaxes_of_another_shape_or_dtype_are_one_clear_error():
+    up = gate = torch.ones(4, 8)
+    with pytest.raises(ValueError, match=r"amaxes must be two 0-d float32 tensors on up's device, got "
+                                         r"\[\(\(1,\), torch.float32, 'cpu'\), \(\(\), torch.bfloat16, 'cpu'\)\]"):
+        swiglu(up, gate, (torch.zeros(1), torch.zeros((), dtype=torch.bfloat16)))
+
+
 def test_swiglu_reference_matches_silu_times_up():
     up, gate = torch.randn(3, 4, 6).bfloat16(), torch.randn(3, 4, 6).bfloat16()
     out = swiglu(up, gate)  # the reference on CPU

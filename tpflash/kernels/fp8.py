@@ -111,6 +111,9 @@ def cast_stacked(tensors: Sequence[torch.Tensor], dtype: torch.dtype, col: bool 
     On CUDA no stacked copy in the tensors' dtype is made: each tensor's partial maxima are taken,
     then each is cast, with the maximum of all of them, into its rows of the stacked fp8 buffers
     (the column-major one: columns of a contiguous [K, sum n_i]). Elsewhere the stack is cast."""
+    if not tensors or any(t.dim() != 2 or t.shape[1] != tensors[0].shape[1] for t in tensors):
+        raise ValueError(f"cast_stacked: the tensors must be 2-D with one width, [n_i, K]; got "
+                         f"{[tuple(t.shape) for t in tensors]}")
     tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
     if not all(t.dim() == 2 and _triton_scaling(t, None, None) == 2 for t in tensors) or dtype not in FP8_MAX:
         return cast(_row_stack(tensors), dtype, None, row=True, col=col)

@@ -91,6 +91,10 @@ def swiglu(up: torch.Tensor, gate: torch.Tensor, amaxes: Optional[Tuple[torch.Te
         if t.shape[-1] > 1 and t.stride(-1) != 1:  # the kernel steps through columns one element at a time
             raise ValueError(f"swiglu: {name} {tuple(t.shape)} has strides {t.stride()}; "
                              "its last dim must have stride 1")
+    if amaxes is not None and (len(amaxes) != 2 or any(
+            a.shape != () or a.dtype != torch.float32 or a.device != up.device for a in amaxes)):
+        raise ValueError("swiglu: amaxes must be two 0-d float32 tensors on up's device, got "
+                         f"{[(tuple(a.shape), a.dtype, str(a.device)) for a in amaxes]}")
     if dispatch.pick(up) == "triton" and up.is_floating_point() and up.dtype != torch.float64:
         return _TritonSwiGLU.apply(up, gate, amaxes)
     if amaxes is None:
