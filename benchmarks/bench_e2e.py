@@ -96,7 +96,8 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         family = (dict(n_kv_head=shape["kv_heads"], ffn_hidden=shape["ffn"], mlp="swiglu", norm="rmsnorm",
                        position="rotary", tie_embeddings=False, bias=False) if llama else {})
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=d,
-                        sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss, fp8=FP8.get(impl, "off"), **family)
+                        sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss, fp8=FP8.get(impl, "off"),
+                        activation_checkpointing={"none": False}.get(args.ac, args.ac), **family)
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
         if ps.dp_size > 1 and args.dp_mode == "fsdp":  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction)
             tpflash.parallel.apply_fsdp(model, ps)
@@ -179,6 +180,8 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
     layout = layout_note(impl, ps, args) if impl in EXTERNAL else None
     if layout:  # the peer's own layout (torchtitan: FSDP2 over dp), whatever --dp-mode says
         row["note"] = layout
+    if args.ac != "none":
+        row["note"] = "; ".join(filter(None, [row.get("note"), f"{args.ac} recomputation"]))
     skip = skip_reason(impl, shape, ps) if impl in EXTERNAL else None
     if skip:  # a row that says why, in the table too
         return {**row, "note": skip}
@@ -322,6 +325,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=None, help="default: the model's (50304 for the GPTs)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--ac", choices=("none", "selective", "full"), default="none",
+                   help="activation checkpointing of every row that has it: tpflash's (selective keeps the GEMMs' "
+                   "outputs) and torchtitan's (selective: its per-op policy)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--no-telemetry", action="store_true", help="do not sample the SM clock and power (nvidia-smi)")
     p.add_argument("--results", default="bench_e2e.jsonl", help="JSON lines, appended; the table covers all")

@@ -121,10 +121,10 @@ def build(impl: str, shape: dict, args, ps):
 def _torchtitan(impl: str, shape: dict, args, ps):
     """torchtitan's Llama 3 as its Trainer builds one (train.py) at this rank layout: ParallelDims
     with dp_shard = dp and tp = tp, the model on the meta device, its model converters (float8),
-    parallelize_llama (TP with loss_parallel where tp > 1, per-block torch.compile, fullgraph, no
-    activation checkpointing, FSDP2 over dp_shard where dp > 1), to_empty, init_weights. The loss
-    and precision are its train step's (`_torchtitan_loss`); the step context is its train context,
-    loss_parallel under TP, around forward and backward as there."""
+    parallelize_llama (TP with loss_parallel where tp > 1, per-block torch.compile, fullgraph,
+    activation checkpointing as bench_e2e's --ac says (none by default), FSDP2 over dp_shard where
+    dp > 1), to_empty, init_weights. The loss and precision are its train step's (`_torchtitan_loss`);
+    the step context is its train context, loss_parallel under TP, around forward and backward as there."""
     stub_datasets()
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import get_train_context
@@ -156,7 +156,8 @@ def _torchtitan_job(impl: str, args):
     job = JobConfig()
     job.training.seq_len = args.seq
     job.compile.enable = True  # components: "model" (each block) and "loss", its default
-    job.activation_checkpoint.mode = "none"  # as every other row
+    job.activation_checkpoint.mode = getattr(args, "ac", "none")  # as every other row (bench_e2e --ac)
+    job.activation_checkpoint.selective_ac_option = "op"  # selective: its per-op policy (keeps matmul outputs)
     # FSDP's parameter dtype: its default bf16, fp32 where the benchmark runs fp32 (CPU); gradients are
     # reduced in fp32 (mixed_precision_reduce, its default)
     job.training.mixed_precision_param = "bfloat16" if args.dtype == "bf16" else "float32"
