@@ -1,4 +1,4 @@
-"""fsdp=auto: zero3 (everything sharded, blocks graphed) on CUDA at tp=1; elsewhere zero1 (AdamW state sharded,
+"""fsdp=auto: zero3 (everything sharded, blocks graphed) on CUDA at cp=1; elsewhere zero1 (AdamW state sharded,
 weights replicated) where that fits in half the device, else FSDP."""
 import pytest
 import torch
@@ -33,17 +33,24 @@ def test_auto_never_shards_a_single_replica():
 
 def test_auto_holds_the_model_with_zero3_where_nothing_blocks_it():
     mode, why = fsdp_choice("auto", 2, 8_000_000_000, H100, zero3_blocker=None)
-    assert mode == "zero3" and "tp=1 on CUDA" in why, why
+    assert mode == "zero3" and "on CUDA" in why, why
 
 
-def test_zero3_is_picked_on_cuda_at_tp_1_for_graphable_blocks():
-    assert zero3_blocker(TrainConfig(), _gpt(), CUDA) is None
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_zero3_is_picked_on_cuda_at_any_tp_for_graphable_blocks(tp):
+    assert zero3_blocker(TrainConfig(tp=tp), _gpt(), CUDA) is None
 
 
-def test_zero3_is_left_to_explicit_requests_on_cpu_at_tp_above_one_and_with_dropout():
+@pytest.mark.parametrize("fp8", ["rowwise", "tensorwise"])
+def test_zero3_is_picked_for_fp8_models_too(fp8):
+    assert zero3_blocker(TrainConfig(), _gpt(fp8=fp8), CUDA) is None
+
+
+def test_zero3_is_left_to_explicit_requests_on_cpu_at_cp_above_one_and_with_dropout():
     assert zero3_blocker(TrainConfig(), _gpt(), torch.device("cpu")) == "CPU"
-    assert zero3_blocker(TrainConfig(tp=2), _gpt(), CUDA) == "tp=2, cp=1"
+    assert zero3_blocker(TrainConfig(cp=2), _gpt(), CUDA) == "cp=2"
     assert "dropout=0.1" in zero3_blocker(TrainConfig(), _gpt(dropout=0.1), CUDA)
+    assert zero3_blocker(TrainConfig(cuda_graphs="off"), _gpt(), CUDA) == "blocks not CUDA-graphed"
 
 
 

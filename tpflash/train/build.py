@@ -169,18 +169,18 @@ def agreed_fsdp_inputs(model: nn.Module, ps) -> Tuple[int, int]:
 
 
 def zero3_blocker(cfg: TrainConfig, model: nn.Module, device: torch.device) -> Optional[str]:
-    """Why fsdp=auto does not hold this run's model with zero3, or None where it does: on CUDA at tp=1
-    and cp=1, with the blocks CUDA-graphed (cuda_graphs not off, no packed documents, no dropout),
-    without fp8, for a model whose blocks zero3 can shard (one shape, plain parameters). That is where
-    it was measured faster and smaller than zero1, DDP and FSDP2 (docs/performance.md, "Sharded data
-    parallelism (two H200s)"); tp > 1 and fp8 under zero3 run when asked for."""
+    """Why fsdp=auto does not hold this run's model with zero3, or None where it does: on CUDA at cp=1
+    (any tp, bf16 or fp8), with the blocks CUDA-graphed (cuda_graphs not off, no packed documents, no
+    dropout), for a model whose blocks zero3 can shard (one shape, plain parameters). That is where it
+    was measured as fast as or faster than zero1 and DDP with less memory, and faster than FSDP2
+    (docs/performance.md, "Sharded data parallelism (four H200s)"); at cp > 1 zero3 runs when asked for."""
     from ..layers.graphed_blocks import check_graphable
     from ..parallel.zero3_layout import block_parameters
     from .data import token_format
     if device.type != "cuda":
         return "CPU"
-    if cfg.tp > 1 or cfg.cp > 1:
-        return f"tp={cfg.tp}, cp={cfg.cp}"
+    if cfg.cp > 1:
+        return f"cp={cfg.cp}"
     if cfg.cuda_graphs == "off" or token_format(cfg.data) == "jsonl":
         return "blocks not CUDA-graphed"
     blocks = list(getattr(model, "blocks", []))
@@ -189,8 +189,6 @@ def zero3_blocker(cfg: TrainConfig, model: nn.Module, device: torch.device) -> O
         block_parameters(blocks)
     except ValueError as e:
         return str(e)
-    if getattr(getattr(model, "config", None), "fp8", "off") != "off":
-        return "fp8"
     return None
 
 
@@ -204,15 +202,15 @@ def fsdp_choice(setting: str, dp: int, local_params: int, memory: int,
     stay CUDA-graphed (tpflash.parallel.zero3; 16/dp bytes per parameter). on: FSDP2, everything
     sharded. auto, at dp > 1: zero3 where `zero3_blocker` (build.zero3_blocker) is None; else zero1
     where its state takes at most half of `memory`, else FSDP. zero3 and zero1 keep the CUDA-graphed
-    blocks that FSDP turns off; zero3 measured fastest with the least memory of all four at tp=1,
-    zero1 as fast as DDP with less memory (docs/performance.md, "Sharded data parallelism"). Every
+    blocks that FSDP turns off; zero3 measured fastest (or as fast as zero1 and DDP) with the least
+    memory of the four at tp=1 and at tp=2, zero1 as fast as DDP with less memory (docs/performance.md, "Sharded data parallelism"). Every
     rank must pass the same numbers (agreed_fsdp_inputs), so that all choose alike."""
     if setting != "auto":
         return setting, ""
     if dp == 1:
         return "off", " (auto: dp=1)"
     if zero3_blocker is None:
-        return "zero3", " (auto: tp=1 on CUDA: every block's state sharded, the blocks CUDA-graphed)"
+        return "zero3", " (auto: on CUDA: every block's state sharded, the blocks CUDA-graphed)"
     from ..parallel.zero import bytes_per_param
     state = bytes_per_param(dp) * local_params
     where = (f"weights and gradients + 1/{dp} of AdamW's state {state / 2**30:.2f} GiB per rank, "
