@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..kernels.sum_parts import sum_parts
 from .peer_workspace import _side_wait, _side_wait_back, _slot_bytes, _take_turn, _workspace
 from .peer_workspace import graph_epoch
 
@@ -220,13 +221,11 @@ class PeerReduceScatter:
     def finish(self, own: torch.Tensor) -> torch.Tensor:
         received = self._arrived()
         if self.world == 2:
-            out = torch.add(own, received[0])
-        else:
-            total = own.float()
-            for part in received:
-                total += part
-            out = total.to(self.dtype)
-        return self._done(out)
+            return self._done(torch.add(own, received[0]))
+        # in fp32, rounded once, by one kernel that reads every part once (torch's upcast copy, fp32
+        # additions and downcast copy took 9 ms of a 104 ms gpt-2.7b step at tp=4: docs/performance.md,
+        # "TP efficiency")
+        return self._done(sum_parts([own, *received], self.dtype))
 
     def finish_matmul(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """finish(a @ w) for a [m, k], w [k, n]; at two ranks the GEMM adds the received part in its
