@@ -132,7 +132,7 @@ class TrainConfig:
     CPU), "bf16" or "fp32". fsdp: how the dp ranks hold the model: "off" (replicated,
     DDP), "zero1" (AdamW's state sharded over dp, parameters replicated: tpflash.parallel.zero), "zero3"
     (the blocks' weights sharded too, gathered into static buffers that CUDA graphs replay on:
-    tpflash.parallel.zero3), "on" (FSDP2) or "auto" (at dp > 1: zero3 on CUDA at tp=1, elsewhere
+    tpflash.parallel.zero3), "on" (FSDP2) or "auto" (at dp > 1: zero3 on CUDA with graphed blocks, elsewhere
     zero1 where it fits in half the device, else FSDP: tpflash.train.build.fsdp_choice). cuda_graphs:
     "auto" (replay the model's blocks as CUDA graphs on CUDA at tp > 1, and at tp=1 with dp=1, when
     the model allows it: no FSDP, dropout 0; activation checkpointing is recomputed inside the graphs), "on" (also at tp=1 with
