@@ -165,6 +165,11 @@ def test_presets_build_and_count_parameters():
     with torch.device("meta"):
         assert GPT(GPTConfig.preset("gpt2-small")).num_params() == 124_475_904
         assert GPT(GPTConfig.preset("llama-7b")).num_params() == 6_738_415_616
+        # the published sizes of Llama 3 8B, Llama 2 13B, Code Llama 34B and Llama 3 70B
+        assert GPT(GPTConfig.preset("llama-3-8b")).num_params() == 8_030_261_248
+        assert GPT(GPTConfig.preset("llama-2-13b")).num_params() == 13_015_864_320
+        assert GPT(GPTConfig.preset("codellama-34b")).num_params() == 33_743_970_304
+        assert GPT(GPTConfig.preset("llama-3-70b")).num_params() == 70_553_706_496
 
 
 def _no_group_body():

@@ -50,6 +50,20 @@ def test_a_run_from_a_hugging_face_model_starts_at_its_loss(ranks, tmp_path, fam
         assert abs(got - want) < 1e-4, f"eval loss {got} against the Hugging Face model's {want}"
 
 
+def test_the_hugging_face_load_is_timed_with_the_size_of_its_weights(tmp_path):
+    import json
+    import os
+    hf_dir = save_tiny_hf("llama", str(tmp_path / "llama"))
+    logs = str(tmp_path / "logs")
+    cfg = tiny_config(write_corpus(str(tmp_path)), model={"init_from": hf_dir}, train={"steps": 1}, log={"dir": logs})
+    Trainer(cfg).run()
+    with open(os.path.join(logs, "metrics.jsonl")) as f:
+        loads = [r for r in map(json.loads, f) if r["kind"] == "checkpoint" and "hf_load_s" in r]
+    weights = os.path.getsize(os.path.join(hf_dir, "model.safetensors"))
+    assert len(loads) == 1 and loads[0]["step"] == 0 and loads[0]["hf_load_s"] > 0
+    assert loads[0]["GB"] == weights / 1e9
+
+
 def test_init_from_with_a_preset_is_refused(tmp_path):
     cfg = tiny_config(write_corpus(str(tmp_path)), model={"init_from": str(tmp_path), "preset": "gpt2-tiny"})
     with pytest.raises(ValueError, match=r"model.preset='gpt2-tiny' and model.init_from=.* both choose the model"):

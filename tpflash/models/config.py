@@ -32,6 +32,13 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "llama-7b": dict(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, norm_eps=1e-5, **_LLAMA),
     "llama-3-8b": dict(vocab_size=128256, block_size=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
                        ffn_hidden=14336, norm_eps=1e-5, rope_theta=500000.0, **_LLAMA),
+    # the larger shapes a node trains with sharding and recomputation (Llama 2 13B, Code Llama 34B, Llama 3 70B)
+    "llama-2-13b": dict(vocab_size=32000, block_size=4096, n_layer=40, n_head=40, n_embd=5120, ffn_hidden=13824,
+                        norm_eps=1e-5, **_LLAMA),
+    "codellama-34b": dict(vocab_size=32000, block_size=16384, n_layer=48, n_head=64, n_kv_head=8, n_embd=8192,
+                          ffn_hidden=22016, norm_eps=1e-5, rope_theta=1000000.0, **_LLAMA),
+    "llama-3-70b": dict(vocab_size=128256, block_size=8192, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192,
+                        ffn_hidden=28672, norm_eps=1e-5, rope_theta=500000.0, **_LLAMA),
 }
 
 

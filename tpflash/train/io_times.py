@@ -5,7 +5,8 @@ A synchronous save is timed from the call to the commit (every file written, fsy
 and renamed into place): `save_s`. An asynchronous one blocks the training only while it copies
 the state to host memory (`staged_s`); its background write is reported once it has committed
 (`write_s`, at the next save or the end of the run). Loads (`load_s`, checksums verified) and Hugging
-Face exports (`export_s`) are timed likewise. Each record gives the bytes on disk (`GB`, 1e9) and
+Face exports (`export_s`) are timed likewise, and so is `model.init_from`'s streaming load of a Hugging
+Face model (`hf_load_s`, at step 0, `GB` the directory's weight files). Each record gives the bytes on disk (`GB`, 1e9) and
 `GB_per_s`: compare it with the disk's own bandwidth. Save records also split rank 0's time into
 its parts: `state_s` (building the state dict), `staging_s` (async: the copy to host memory),
 `dcp_write_s` (DCP: device-to-host copies, files written and fsync'd), `checksums_s`, `commit_s`.

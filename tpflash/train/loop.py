@@ -149,7 +149,7 @@ class Trainer:
                 self.model.to_empty(device=self.device)
             self.sharded_ids = tp_sharded_param_ids(self.model)  # to_empty may have swapped the parameters
             if not self.checkpoints.resume_point():  # a resumed run has trained past these weights; load fills all
-                pretrained.load_pretrained_weights(self.model, self.init_from, hf_files)
+                self.checkpoints.load_hf(self.model, self.init_from, hf_files)
         # zero1: the parameters move into flat buffers (same Parameter objects) before the optimizer,
         # the checkpoint load (in place) and the graph capture (which keeps their addresses)
         self.zero = parallel.ShardedOptimizerState(self.model, self.ps) if self.dp_mode == "zero1" else None

@@ -1,5 +1,5 @@
 """A run's checkpoint directory (`checkpoint.*` of the trainer's config): its lock, the step to resume
-from, timed saves (synchronous and async) and the Hugging Face export, and the timing records they
+from, timed saves (synchronous and async), the Hugging Face load and export, and the timing records they
 leave for the metrics (tpflash.train.io_times). The trainer decides when; this does the I/O.
 """
 from __future__ import annotations
@@ -96,6 +96,17 @@ class RunCheckpoints:
             os.makedirs(self.ck.dir, exist_ok=True)  # an async save may not have made it yet
             with open(os.path.join(self.ck.dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(self.cfg))
+
+    def load_hf(self, model: nn.Module, hf_dir: str, hf_files) -> None:
+        """model.init_from's weights streamed into `model` (tpflash.models.pretrained), timed: a
+        `hf_load_s` record at step 0 with the size of the directory's weight files."""
+        from ..models import pretrained
+        started = time.perf_counter()
+        pretrained.load_pretrained_weights(model, hf_dir, hf_files)
+        if self.is_main:
+            weights = sum(os.path.getsize(os.path.join(hf_dir, name)) for name in os.listdir(hf_dir)
+                          if name.endswith((".safetensors", ".bin")))
+            self._records.append((0, rate_record("hf_load_s", time.perf_counter() - started, hf_dir, weights)))
 
     def export_hf(self, step: int, model: nn.Module, tokenizer_from: Optional[str]) -> str:
         """The model as a Hugging Face directory in checkpoint.export_hf, timed; returns the directory."""
