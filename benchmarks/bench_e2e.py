@@ -97,7 +97,7 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
                        position="rotary", tie_embeddings=False, bias=False) if llama else {})
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=d,
                         sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss, fp8=FP8.get(impl, "off"),
-                        activation_checkpointing={"none": False}.get(args.ac, args.ac), **family)
+                        activation_checkpointing=_checkpointing(args), **family)
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
         if ps.dp_size > 1 and args.dp_mode == "fsdp":  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction)
             tpflash.parallel.apply_fsdp(model, ps)
@@ -152,12 +152,20 @@ def _with_overlap(on: Optional[bool], model, idx, targets):
         return model(idx, targets)
 
 
-def make_optimizer(model: nn.Module, device: torch.device, fused: bool = True):
-    """AdamW, fused on CUDA (foreach when `fused` is False), the default on CPU."""
+def make_optimizer(model: nn.Module, device: torch.device, fused: bool = True, local_shards: bool = False):
+    """AdamW, fused on CUDA (foreach when `fused` is False), the default on CPU; `local_shards`: the
+    trainer's tpflash.parallel.LocalShardAdamW (DTensor parameters updated on their local shards), for
+    tpflash's rows."""
     params = [p for p in model.parameters() if p.requires_grad]
+    adamw = tpflash.parallel.LocalShardAdamW if local_shards else torch.optim.AdamW
     if device.type != "cuda":
-        return torch.optim.AdamW(params, lr=1e-4)
-    return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+        return adamw(params, lr=1e-4)
+    return adamw(params, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+
+
+def _checkpointing(args):
+    """GPTConfig.activation_checkpointing for --ac (False for "none", or where args has no --ac)."""
+    return {"none": False}.get(getattr(args, "ac", "none"), getattr(args, "ac", "none"))
 
 
 def _dp_name(impl: str, dp_mode: str) -> str:
@@ -180,7 +188,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
     layout = layout_note(impl, ps, args) if impl in EXTERNAL else None
     if layout:  # the peer's own layout (torchtitan: FSDP2 over dp), whatever --dp-mode says
         row["note"] = layout
-    if args.ac != "none":
+    if _checkpointing(args):
         row["note"] = "; ".join(filter(None, [row.get("note"), f"{args.ac} recomputation"]))
     skip = skip_reason(impl, shape, ps) if impl in EXTERNAL else None
     if skip:  # a row that says why, in the table too
@@ -230,7 +238,7 @@ def _measure(impl, shape, args, ps, fallback: bool):
         torch.cuda.reset_peak_memory_stats(ps.device)
     tpflash_impl = impl.startswith("tpflash")
     model, loss_fn, step_context = build(impl, shape, args, ps, fused_loss=not (fallback and tpflash_impl))
-    opt = make_optimizer(model, ps.device, fused=not (fallback and not tpflash_impl))
+    opt = make_optimizer(model, ps.device, fused=not (fallback and not tpflash_impl), local_shards=tpflash_impl)
     if getattr(model, "zero1", None) is not None:
         opt = Zero1Optimizer(model.zero1, opt)
     if getattr(model, "zero3", None) is not None:

@@ -185,7 +185,7 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: fl
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT through the env:// rendezvous, or
     torchrun's store with keys per restart attempt under `--max-restarts`: see rendezvous.py);
-    with none set, runs as a single process (world 1) on a local rendezvous. The backend is
+    with none set, runs as a single process (world 1) on an in-process store (no port). The backend is
     nccl when CUDA is available, else gloo. The device is cuda:LOCAL_RANK or cpu.
     Every group it creates times out after `timeout_s` (set_group_timeouts).
     The layout is checked before any group is created, so bad input cannot hang. `agree`
@@ -210,12 +210,14 @@ def init(tp: int = 1, dp: int = -1, backend: Optional[str] = None, timeout_s: fl
         device = torch.device("cpu")
     created_default = not dist.is_initialized()
     if created_default:
-        if "RANK" not in os.environ:  # plain `python script.py`: a world of one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = elastic_store(timeout)  # under torchrun restarts: keys kept apart per attempt
+        if "RANK" not in os.environ or ("MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE") == "1"):
+            # plain `python script.py` (again, after an earlier world of one in this process): a world of one,
+            # its store in this process (no TCP port to race for)
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            store = dist.HashStore()
+        else:
+            store = elastic_store(timeout)  # under torchrun restarts: keys kept apart per attempt
         where = {} if store is None else dict(store=store, rank=int(os.environ["RANK"]),
                                               world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), timeout=timeout,
@@ -246,13 +248,6 @@ def set_group_timeouts(seconds: float, groups: Optional[Sequence[dist.ProcessGro
     timeout = datetime.timedelta(seconds=seconds)
     for group in list(dist.distributed_c10d._world.pg_map) if groups is None else groups:
         group.set_timeout(timeout)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _NoGroup:

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..parallel import LocalShardAdamW
 from .config import TrainConfig, TrainSection
 from .gradients import local_tensor
 
@@ -111,13 +112,15 @@ def autocast(device: torch.device, dtype: Optional[torch.dtype]):
 
 
 def make_optimizer(model: nn.Module, cfg: TrainSection, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (dim >= 2) only; fused kernels on CUDA (train.fused_adam)."""
+    """AdamW with weight decay on matrices (dim >= 2) only; fused kernels on CUDA (train.fused_adam).
+    DTensor parameters (fsdp=on, zero3) are updated on their local shards (parallel.LocalShardAdamW: torch's
+    AdamW without DTensor's dispatch per step)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     fused = cfg.fused_adam == "on" or (cfg.fused_adam == "auto" and device.type == "cuda")
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"fused": True} if fused else {}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+    return LocalShardAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..parallel.local_adamw import LocalShardAdamW
 from ..parallel.sharding import iter_sharded
 
 
@@ -83,12 +84,13 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor, 
 
 def _step_divides_grads(optimizer: torch.optim.Optimizer) -> bool:
     """Whether optimizer.step() divides each gradient by `optimizer.grad_scale` as it reads it: torch's
-    fused Adam/AdamW (the protocol torch.amp.GradScaler uses), over plain tensors, with no grad_scale
-    already set (by a GradScaler)."""
+    fused Adam/AdamW (the protocol torch.amp.GradScaler uses), over plain tensors or, as LocalShardAdamW,
+    over the local shards of DTensor parameters, with no grad_scale already set (by a GradScaler)."""
     groups = optimizer.param_groups
+    plain = isinstance(optimizer, LocalShardAdamW) or all(
+        type(p) in (torch.nn.Parameter, torch.Tensor) for g in groups for p in g["params"])
     return (isinstance(optimizer, torch.optim.Adam) and getattr(optimizer, "_step_supports_amp_scaling", False)
-            and not hasattr(optimizer, "grad_scale") and all(g.get("fused") for g in groups)
-            and all(type(p) in (torch.nn.Parameter, torch.Tensor) for g in groups for p in g["params"]))
+            and not hasattr(optimizer, "grad_scale") and all(g.get("fused") for g in groups) and plain)
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor,
@@ -97,7 +99,8 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Par
     clipped); the gradients are left scaled. A fused torch Adam/AdamW does the scaling inside its own
     kernel: it is handed max(1, total_norm / max_norm) as `grad_scale`, divides each gradient by it as
     it reads it and writes it back scaled. That saves clip_grads_'s own read of every gradient (5.2 GB
-    on a gpt-1.3b step). Other optimizers, and FSDP's DTensor parameters, get clip_grads_, then step()."""
+    on a gpt-1.3b step). Other optimizers, and torch's AdamW over DTensor parameters, get clip_grads_,
+    then step()."""
     if not isinstance(total_norm, torch.Tensor):
         raise TypeError(f"total_norm must be a tensor (as global_grad_norm returns), got {type(total_norm).__name__} "
                         f"{total_norm!r}")
