@@ -50,13 +50,17 @@ def test_a_run_from_a_hugging_face_model_starts_at_its_loss(ranks, tmp_path, fam
         assert abs(got - want) < 1e-4, f"eval loss {got} against the Hugging Face model's {want}"
 
 
-def test_the_hugging_face_load_is_timed_with_the_size_of_its_weights(tmp_path):
+def _run_body(cfg):
+    Trainer(cfg).run()
+
+
+def test_the_hugging_face_load_is_timed_with_the_size_of_its_weights(ranks, tmp_path):
     import json
     import os
     hf_dir = save_tiny_hf("llama", str(tmp_path / "llama"))
     logs = str(tmp_path / "logs")
     cfg = tiny_config(write_corpus(str(tmp_path)), model={"init_from": hf_dir}, train={"steps": 1}, log={"dir": logs})
-    Trainer(cfg).run()
+    ranks(1).run(_run_body, cfg)
     with open(os.path.join(logs, "metrics.jsonl")) as f:
         loads = [r for r in map(json.loads, f) if r["kind"] == "checkpoint" and "hf_load_s" in r]
     weights = os.path.getsize(os.path.join(hf_dir, "model.safetensors"))
