@@ -75,23 +75,31 @@ def test_it_updates_plain_parameters_as_torchs_adamw_does(grad_scale):
     _assert_same_bits(ours, ours_opt, theirs, theirs_opt)
 
 
-def grad_scale_body():
-    """A fused step handed `grad_scale` divides each shard's gradient by it, as clipping asks of it."""
-    ps = init_tp(1)
-    scaled, divided = apply_fsdp(_model(), ps), apply_fsdp(_model(), ps)
-    scaled_opt = LocalShardAdamW(_groups(scaled), lr=1e-2, fused=True)
-    divided_opt = LocalShardAdamW(_groups(divided), lr=1e-2, fused=True)
+def _twin_shards_with_gradients(ps):
+    """Two equal FSDP2 models with fused LocalShardAdamW optimizers, after one backward of the same batch:
+    ((model, optimizer), (model, optimizer))."""
+    twins = [apply_fsdp(_model(), ps) for _ in range(2)]
     torch.manual_seed(ps.rank)
     x = torch.randn(5, 8)
-    for model in (scaled, divided):
+    for model in twins:
         model(x).square().sum().backward()
+    return [(model, LocalShardAdamW(_groups(model), lr=1e-2, fused=True)) for model in twins]
+
+
+def _assert_same_parameters(a, b):
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(_local(p), _local(q), rtol=1e-6, atol=1e-7)
+
+
+def grad_scale_body():
+    """A fused step handed `grad_scale` divides each shard's gradient by it, as clipping asks of it."""
+    (scaled, scaled_opt), (divided, divided_opt) = _twin_shards_with_gradients(init_tp(1))
     for p in divided.parameters():
         p.grad.div_(4.0)
     scaled_opt.grad_scale = torch.tensor(4.0)
     scaled_opt.step()
     divided_opt.step()
-    for p, q in zip(scaled.parameters(), divided.parameters()):
-        torch.testing.assert_close(_local(p), _local(q), rtol=1e-6, atol=1e-7)
+    _assert_same_parameters(scaled, divided)
 
 
 def test_a_fused_step_with_grad_scale_divides_the_shards_gradients(ranks):
@@ -113,16 +121,9 @@ def test_its_moments_stay_dtensors_for_checkpoints(ranks):
 
 
 def clipped_step_body():
-    """(folded, clip-then-step) parameters after a clipped step of FSDP2 shards with a norm above max_norm."""
+    """A clipped step of FSDP2 shards (norm above max_norm) folded into the fused step equals clip, then step."""
     from tpflash.train.gradients import clip_grads_, clipped_step
-    ps = init_tp(1)
-    folded, clipped = apply_fsdp(_model(), ps), apply_fsdp(_model(), ps)
-    folded_opt = LocalShardAdamW(_groups(folded), lr=1e-2, fused=True)
-    clipped_opt = LocalShardAdamW(_groups(clipped), lr=1e-2, fused=True)
-    torch.manual_seed(ps.rank)
-    x = torch.randn(5, 8)
-    for model in (folded, clipped):
-        model(x).square().sum().backward()
+    (folded, folded_opt), (clipped, clipped_opt) = _twin_shards_with_gradients(init_tp(1))
     norm = torch.tensor(50.0)  # any norm the ranks agree on; above max_norm, so the step is clipped
     seen, step = [], folded_opt.step
     folded_opt.step = lambda: (seen.append(getattr(folded_opt, "grad_scale", None)), step())
@@ -130,8 +131,7 @@ def clipped_step_body():
     clip_grads_(list(clipped.parameters()), norm, 1.0)
     clipped_opt.step()
     assert seen[0] is not None, "the fused step was not handed the clipping as its grad_scale"
-    for p, q in zip(folded.parameters(), clipped.parameters()):
-        torch.testing.assert_close(_local(p), _local(q), rtol=1e-6, atol=1e-7)
+    _assert_same_parameters(folded, clipped)
 
 
 def test_clipping_folds_into_its_fused_step_over_fsdp2_shards(ranks):
