@@ -9,6 +9,7 @@ import tpflash
 from tests.checkpoint.tiny_model import build, full_state, make_optimizer, train
 from tests.distributed.checks import init_tp
 from tpflash.checkpoint import HostStaging, PendingSave
+from tpflash.checkpoint import staging as staging_module
 from tpflash.checkpoint.layout import Chunk
 
 
@@ -109,3 +110,40 @@ def test_two_async_saves_through_one_staging_each_write_the_state_at_their_call(
 def test_reserving_without_a_staging_is_refused_naming_it():
     with pytest.raises(TypeError, match="staging=None must be a tpflash.checkpoint.HostStaging"):
         tpflash.checkpoint.reserve_staging(None, build(seed=0))
+
+
+def test_a_node_stages_a_synchronous_save_only_if_its_ranks_copies_fit_in_half_the_free_memory():
+    state = {"w": torch.zeros(1000), "meta": b"not counted"}  # 4,000 bytes
+    assert staging_module.state_bytes(state) == 4000
+    assert staging_module.fits_in_host_memory(state, local_ranks=4, available=32_000)
+    assert not staging_module.fits_in_host_memory(state, local_ranks=4, available=31_999)
+    assert not staging_module.fits_in_host_memory(state, local_ranks=1, available=None)
+
+
+def test_state_already_in_host_memory_is_not_staged_again():
+    assert not staging_module.stages_before_writing(_state()[0])
+
+
+def sync_staged_body(root):
+    ps = init_tp(2)
+    model = build(seed=0)
+    optimizer = make_optimizer(model)
+    train(model, optimizer, range(1), ps.dp_rank, ps.dp_size)
+    rank = torch.distributed.get_rank()
+    before = full_state(model, optimizer)
+    times = {}
+    path = tpflash.checkpoint.save(root, model, optimizer, step=1, staging=HostStaging(pinned=False), times=times)
+    assert "staging" in times and times["write"] > 0
+    mine = [f for f in os.listdir(path) if f.startswith(f"__{rank}_") and f.endswith(".distcp")]
+    assert len(mine) > 1, f"rank {rank} wrote {mine}: staged state goes through several writer threads"
+    fresh = build(seed=1)
+    fresh_optimizer = make_optimizer(fresh)
+    tpflash.checkpoint.load(path, fresh, fresh_optimizer)
+    after = full_state(fresh, fresh_optimizer)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), f"{key}: not the state at the save"
+
+
+@pytest.mark.cpu_ranks
+def test_a_synchronous_save_through_a_staging_writes_from_several_threads_and_loads_back_exactly(ranks, tmp_path):
+    ranks(2).run(sync_staged_body, str(tmp_path / "run"))

@@ -26,14 +26,15 @@ from .extras import (CONFIG_FILE, META_KEY, RNG_PREFIX, meta_for_save, model_con
                      set_rng_state, split_meta_keys)
 from .layout import MODEL_PREFIX, Chunk, model_slots
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
-from .staging import HostStaging, PendingSave, async_group
+from .staging import HostStaging, PendingSave, async_group, stages_before_writing
 
 __all__ = ["save", "load", "latest", "wait_pending", "reserve_staging"]
 
-# Each rank writes host-memory state (an async save's staged copy) into this many files at once: one
-# writer thread leaves a fast disk idle while it serialises. State still on the GPU goes through one
-# thread, where DCP overlaps the device-to-host copies with the writing (its threaded writers copy
-# each tensor synchronously): docs/performance.md, "Checkpoints of a large model".
+# Each rank writes host-memory state (a staged copy: every async save, and a synchronous one where the
+# host has room) into this many files at once: one writer thread leaves a fast disk idle while it
+# serialises. State still on the GPU goes through one thread, where DCP overlaps the device-to-host
+# copies with the writing (its threaded writers copy each tensor synchronously): docs/performance.md,
+# "Checkpoints of a large model".
 WRITER_THREADS = 4
 
 
@@ -198,10 +199,13 @@ def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     keeps the newest `keep` checkpoints (0: all). With `async_save` tensors are copied to host
     memory, then writing and committing continue in a background thread (on a dedicated gloo
     group) and the returned path (a str) has `.wait()`; the next save or load waits for it.
-    `staging` (async only): the tpflash.checkpoint.HostStaging whose buffers the state is copied into
-    (one per run: pinned and reused; default a one-off pageable copy). `times` (a dict), if given,
+    A synchronous save of state on a GPU copies it to host memory first where the node has room (its
+    ranks' copies within half of the available memory; staging.stages_before_writing), then writes it
+    through several threads per rank; otherwise straight from the GPU through one.
+    `staging`: the tpflash.checkpoint.HostStaging whose buffers the state is copied into (one per run:
+    pinned and reused by every save; default a one-off pageable copy). `times` (a dict), if given,
     receives this rank's seconds per part of the save: "state" (the state dict, collective under
-    FSDP), "staging" (async: the copy to host memory), "write", "checksums" and "commit" (see
+    FSDP), "staging" (the copy to host memory, where there is one), "write", "checksums" and "commit" (see
     _write_and_commit; for an async save, filled in by the background thread).
     """
     root = os.fspath(root)
@@ -215,6 +219,9 @@ def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         state = _state_for_save(model, optimizer, step, extra)
     config = model_config(model)
     if not async_save:
+        if staging is not None or stages_before_writing(state):  # then written by WRITER_THREADS threads
+            with _timed(times, "staging"):
+                state = (staging or HostStaging(pinned=False)).stage(state)
         return _write_and_commit(state, root, step, keep, config, None, times)
     group = async_group()
     staging = HostStaging(pinned=False) if staging is None else staging  # a one-off: pageable, freed after

@@ -6,6 +6,7 @@ collectives that the main thread issues meanwhile on the default group.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -48,6 +49,39 @@ def _tensors(state: dict):
         tensor = value.piece if isinstance(value, Chunk) else value
         if torch.is_tensor(tensor):
             yield key, tensor.detach()
+
+
+def state_bytes(state: dict) -> int:
+    """The bytes of the tensors in a save's state dict (chunks' pieces counted)."""
+    return sum(t.numel() * t.element_size() for _, t in _tensors(state))
+
+
+def host_memory_available() -> Optional[int]:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def fits_in_host_memory(state: dict, local_ranks: int, available: Optional[int]) -> bool:
+    """Whether `local_ranks` ranks of this node can each hold a host copy of a state like `state` in at most
+    half of the `available` host memory (bytes; None: unknown, so no)."""
+    return available is not None and state_bytes(state) * max(1, local_ranks) <= available // 2
+
+
+def stages_before_writing(state: dict) -> bool:
+    """Whether a synchronous save copies `state` to host memory before writing it: when some of it is on a
+    GPU and the node's ranks (LOCAL_WORLD_SIZE) have room for their copies. From host memory each rank
+    writes through several threads at once; from the GPU, DCP's writer goes through one
+    (docs/performance.md, "Checkpoints of a large model")."""
+    if not any(t.is_cuda for _, t in _tensors(state)):
+        return False
+    return fits_in_host_memory(state, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory_available())
 
 
 class HostStaging:

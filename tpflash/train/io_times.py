@@ -8,7 +8,7 @@ the state to host memory (`staged_s`); its background write is reported once it 
 Face exports (`export_s`) are timed likewise, and so is `model.init_from`'s streaming load of a Hugging
 Face model (`hf_load_s`, at step 0, `GB` the directory's weight files). Each record gives the bytes on disk (`GB`, 1e9) and
 `GB_per_s`: compare it with the disk's own bandwidth. Save records also split rank 0's time into
-its parts: `state_s` (building the state dict), `staging_s` (async: the copy to host memory),
+its parts: `state_s` (building the state dict), `staging_s` (the copy to host memory: async saves, and synchronous ones that stage),
 `dcp_write_s` (DCP: device-to-host copies, files written and fsync'd), `checksums_s`, `commit_s`.
 """
 from __future__ import annotations
