@@ -333,9 +333,10 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=None, help="default: the model's (50304 for the GPTs)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--ac", choices=("none", "selective", "full"), default="none",
-                   help="activation checkpointing of every row that has it: tpflash's (selective keeps the GEMMs' "
-                   "outputs) and torchtitan's (selective: its per-op policy)")
+    p.add_argument("--ac", choices=("none", "activation", "selective", "full"), default="none",
+                   help="activation checkpointing of every row that has it: tpflash's (activation: the MLP "
+                   "activation's output remade in the backward; selective keeps the GEMMs' outputs) and torchtitan's "
+                   "(selective: its per-op policy; it has no activation-only mode and runs none for it)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--no-telemetry", action="store_true", help="do not sample the SM clock and power (nvidia-smi)")
     p.add_argument("--results", default="bench_e2e.jsonl", help="JSON lines, appended; the table covers all")

@@ -156,7 +156,8 @@ def _torchtitan_job(impl: str, args):
     job = JobConfig()
     job.training.seq_len = args.seq
     job.compile.enable = True  # components: "model" (each block) and "loss", its default
-    job.activation_checkpoint.mode = getattr(args, "ac", "none")  # as every other row (bench_e2e --ac)
+    ac = getattr(args, "ac", "none")  # as every other row (bench_e2e --ac); torchtitan has no "activation"-only mode
+    job.activation_checkpoint.mode = "none" if ac == "activation" else ac
     job.activation_checkpoint.selective_ac_option = "op"  # selective: its per-op policy (keeps matmul outputs)
     # FSDP's parameter dtype: its default bf16, fp32 where the benchmark runs fp32 (CPU); gradients are
     # reduced in fp32 (mixed_precision_reduce, its default)

@@ -104,7 +104,7 @@ def test_a_block_under_sp_takes_every_weight_cast_from_its_one_cast(ranks, tp):
     ranks(tp).run(cast_lookups_body, tp)
 
 
-@pytest.mark.parametrize("checkpoint", ["full", "mlp", "selective"])
+@pytest.mark.parametrize("checkpoint", ["activation", "full", "mlp", "selective"])
 def test_checkpointed_block_matches_reference(ranks, checkpoint):
     ranks(2).run(block_body, 2, "llama", True, checkpoint)
 

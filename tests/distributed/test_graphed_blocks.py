@@ -192,7 +192,7 @@ def test_backward_of_a_replaced_forward_raises(ranks):
 
 
 @pytest.mark.cpu_ranks
-@pytest.mark.parametrize("checkpointing", ["full", "mlp", "selective"])
+@pytest.mark.parametrize("checkpointing", ["activation", "full", "mlp", "selective"])
 def test_graphed_gpt_with_activation_checkpointing_trains_like_the_eager_gpt(ranks, checkpointing):
     ranks(2).run(train_body, 2, True, 3, 2, False, "auto", checkpointing)
 
@@ -266,7 +266,7 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_on_one_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("checkpointing", ["full", "mlp", "selective"])
+@pytest.mark.parametrize("checkpointing", ["activation", "full", "mlp", "selective"])
 def test_cuda_graphed_gpt_recomputes_inside_the_graphs_like_the_eager_gpt(ranks, checkpointing):
     train_body(1, False, checkpointing=checkpointing)
     if torch.cuda.device_count() >= 2:  # with the tp collectives (copy engines, overlap) in the recompute too

@@ -97,7 +97,7 @@ def test_zero3_accumulates_micro_batches_like_ddp(ranks, graphed):
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-@pytest.mark.parametrize("checkpointing", ["full", "mlp", "selective"])
+@pytest.mark.parametrize("checkpointing", ["activation", "full", "mlp", "selective"])
 def test_zero3_recomputes_checkpointed_blocks_with_their_gathered_weights(ranks, checkpointing, graphed):
     ranks(2).run(trains_like_the_reference_body, 1, graphed, 1, checkpointing)
 

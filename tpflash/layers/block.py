@@ -28,7 +28,7 @@ from .linear import InitMethod
 from .mlp import ParallelMLP
 from .norm import ParallelNorm
 
-CHECKPOINTING = (None, "full", "mlp", "selective")
+CHECKPOINTING = (None, "activation", "full", "mlp", "selective")
 
 # "selective" keeps these ops' outputs (the GEMMs and PyTorch's fused attention) and recomputes the rest
 # of the block (norms, activations, rotary, casts) in its backward: the GEMMs are most of a block's
@@ -56,9 +56,11 @@ class ParallelTransformerBlock(nn.Module):
     out + residual (residual=None on the first block means x is the whole stream); finish the
     last block with `final_norm(out, residual)`. Layout: [seq, batch, hidden], or
     [seq/tp, batch, hidden] with sequence_parallel.
-    checkpoint: None, "full" (recompute the whole block in backward), "mlp" (recompute the MLP
-    only, whose [seq, batch, ffn/tp] activations are the block's largest) or "selective" (keep the
-    GEMMs' and fused attention's outputs, recompute the rest: norms, activations, rotary; dropout 0).
+    checkpoint: None, "activation" (remake the MLP activation's output in the backward, one elementwise
+    pass, instead of keeping it: ParallelMLP's recompute_activation), "full" (recompute the whole block
+    in backward), "mlp" (recompute the MLP only, whose [seq, batch, ffn/tp] activations are the block's
+    largest) or "selective" (keep the GEMMs' and fused attention's outputs, recompute the rest: norms,
+    activations, rotary; dropout 0).
     Attention options (head_dim, qkv_bias, qk_norm, rope_scaling, max_positions, and context parallelism's
     cp_group and cp_comm) are ParallelAttention's; fp8 (the projections' GEMMs) goes to attention and MLP;
     forward's keyword arguments (position_ids, cu_seqlens, max_seqlen: packed documents) go to it.
@@ -97,7 +99,7 @@ class ParallelTransformerBlock(nn.Module):
                                       rope_scaling=rope_scaling, max_positions=max_positions, cp_group=cp_group,
                                       cp_comm=cp_comm, **layer_kw)
         self.mlp_norm = ParallelNorm(hidden, **norm_kw)
-        self.mlp = ParallelMLP(hidden, ffn_hidden, mlp=mlp, **layer_kw)
+        self.mlp = ParallelMLP(hidden, ffn_hidden, mlp=mlp, recompute_activation=checkpoint == "activation", **layer_kw)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return self.rng_tracker.dropout(x, self.dropout, sharded=self.sequence_parallel, training=self.training)

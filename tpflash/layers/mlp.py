@@ -1,6 +1,7 @@
 """Tensor-parallel feed-forward block: column-parallel up (and gate) projection, row-parallel down."""
 from __future__ import annotations
 
+from functools import partial
 from typing import List, Optional, Tuple
 
 import torch
@@ -8,13 +9,26 @@ import torch.nn as nn
 
 from .. import kernels
 from ..parallel.state import group_size, resolve_tp_group, sublayer_group
+from ..kernels.dispatch import requested_backend, use_backend
 from ..kernels.fused_dense import fused_dense_gelu_dense
 from ..kernels.reference import ACTIVATION_FUNCTIONS
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe
+from .recompute import recomputed_when_saved
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears
 
 ACTIVATIONS = ACTIVATION_FUNCTIONS  # the non-gated MLP's: "gelu" (tanh, GPT-2's), "gelu_exact", "relu"
 MLPS = tuple(ACTIVATIONS) + ("swiglu",)
+
+
+def _on_the_forward_s_kernels(activation):
+    """`activation`, to be run again in the backward on the kernels (Triton or reference) it runs on now,
+    whatever is forced there: the remade output must have the forward's bits."""
+    backend = requested_backend()
+
+    def remake() -> torch.Tensor:
+        with use_backend(backend):
+            return activation()
+    return remake
 
 
 class ParallelMLP(nn.Module):
@@ -33,12 +47,17 @@ class ParallelMLP(nn.Module):
     Off by default: on an H100 it measured slower than the unfused GEMMs at every MLP shape of
     gpt-1.3b/2.7b, tp 1/2/4 (docs/performance.md, "Fused dense").
     fp8 "rowwise" / "tensorwise": the up/gate and down GEMMs in fp8 (tpflash.layers.fp8_linear, docs/fp8.md).
+    recompute_activation: the activation's output, which the down projection's weight gradient reads, is
+    not kept from the forward but remade in the backward from the up (and gate) outputs its own
+    backward keeps (tpflash.layers.recompute): one elementwise pass for a [seq, b, ffn/tp] tensor
+    less per layer (docs/performance.md, "Activation memory").
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, mlp: str = "gelu", bias: bool = True,
                  sequence_parallel: bool = False, process_group=None, *,
                  init_method: Optional[InitMethod] = None, out_init_method: Optional[InitMethod] = None,
-                 fused_dense: bool = False, fp8: str = "off", device=None, dtype=None):
+                 fused_dense: bool = False, fp8: str = "off", recompute_activation: bool = False, device=None,
+                 dtype=None):
         super().__init__()
         check_fp8_recipe(fp8)
         if fused_dense and fp8 != "off":
@@ -49,6 +68,7 @@ class ParallelMLP(nn.Module):
         if fused_dense and mlp != "gelu":
             raise ValueError(f"fused_dense=True needs mlp='gelu' (cuBLASLt's tanh GELU epilogue), got mlp={mlp!r}")
         self.fused_dense = fused_dense
+        self.recompute_activation = recompute_activation and not fused_dense  # the fused path keeps no h
         self.process_group = resolve_tp_group(process_group)
         tp = group_size(self.process_group)
         if ffn_hidden % tp:
@@ -76,15 +96,18 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_dense:
             x_full = column_parallel_input(x, self.process_group, self.sequence_parallel)  # [seq, b, hidden]
-            partial = fused_dense_gelu_dense(x_full, self.up_proj.weight, self.up_proj.bias,
-                                             self.down_proj.weight, None)  # [seq, b, hidden], summed over tp below
-            return self.down_proj.reduce_partial_sum(partial)
+            rank_sum = fused_dense_gelu_dense(x_full, self.up_proj.weight, self.up_proj.bias,
+                                              self.down_proj.weight, None)  # [seq, b, hidden], summed over tp below
+            return self.down_proj.reduce_partial_sum(rank_sum)
+        amaxes = None  # tensorwise fp8 with a gate: those of h and of [d_up | d_gate], below
         if self.gate_proj is None:
             up_bias = self.up_proj.bias
             y = column_parallel_linears(x, [self.up_proj.weight], [None], self.process_group,
                                         self.sequence_parallel, fp8=self.fp8)[0]  # [seq, b, ffn/tp], bias not yet added
             # the bias added by the activation's kernel, whose backward sums its gradient while writing dy
-            h = ACTIVATIONS[self.mlp](y) if up_bias is None else kernels.bias_activation(y, up_bias, self.mlp)
+            activation = partial(ACTIVATIONS[self.mlp], y) if up_bias is None else \
+                partial(kernels.bias_activation, y, up_bias, self.mlp)
+            h = activation()
         else:
             projections = [self.up_proj, self.gate_proj]
             # tensorwise fp8: swiglu takes the amaxes of h and of [d_up | d_gate] as it writes them, for
@@ -95,10 +118,14 @@ class ParallelMLP(nn.Module):
                                                self.process_group, self.sequence_parallel, fp8=self.fp8,
                                                fp8_amaxes=Fp8Amaxes(grad=amaxes[1]) if amaxes else None)  # [seq, b, ffn/tp] each
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
+            activation = partial(kernels.swiglu, up, gate)
             h = kernels.swiglu(up, gate, amaxes)
-            return self.down_proj(h, fp8_input_amax=amaxes[0] if amaxes else None)
-        return self.down_proj(h)  # [seq(/tp), b, hidden]
+        remake = _on_the_forward_s_kernels(activation) if self.recompute_activation and torch.is_grad_enabled() else None
+        with recomputed_when_saved(h, remake):  # h not kept for the backward when remade there
+            return self.down_proj(h, fp8_input_amax=amaxes[0] if amaxes else None)  # [seq(/tp), b, hidden]
 
     def extra_repr(self) -> str:
         return (f"mlp={self.mlp}, tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}"
-                + (", fused_dense=True" if self.fused_dense else "") + (f", fp8={self.fp8}" if self.fp8 != "off" else ""))
+                + (", fused_dense=True" if self.fused_dense else "")
+                + (", recompute_activation=True" if self.recompute_activation else "")
+                + (f", fp8={self.fp8}" if self.fp8 != "off" else ""))

@@ -50,8 +50,9 @@ class GPTConfig:
     n_kv_head None means n_head (no GQA). ffn_hidden None means 4*n_embd, or for SwiGLU
     8/3*n_embd rounded up to a multiple of 256 (Llama's rule). mlp "gelu" is the tanh
     approximation GPT-2 uses. dropout applies to the embeddings and both residual branches (not
-    to attention probabilities). activation_checkpointing: False, True/"full" (whole blocks),
-    "mlp" (the MLPs only) or "selective" (the GEMM outputs kept, the rest of each block recomputed). fused_loss: the loss through tpflash.losses.fused_linear_cross_entropy
+    to attention probabilities). activation_checkpointing: False, "activation" (the MLP activation's
+    output remade in the backward, not kept), True/"full" (whole blocks), "mlp" (the MLPs only) or
+    "selective" (the GEMM outputs kept, the rest of each block recomputed). fused_loss: the loss through tpflash.losses.fused_linear_cross_entropy
     (token-chunked; the full logits never exist), else logits + vocab_parallel_cross_entropy.
     init_std: std of the normal init (residual output projections get init_std/sqrt(2*n_layer)).
     seed: seeds the model's dropout RNG tracker (tpflash.parallel.random).
@@ -154,11 +155,12 @@ class GPTConfig:
 
     @property
     def checkpoint_mode(self) -> Optional[str]:
-        """activation_checkpointing as a block's `checkpoint` argument (None, "full", "mlp" or "selective")."""
+        """activation_checkpointing as a block's `checkpoint` argument (None, "activation", "full", "mlp" or
+        "selective")."""
         mode = {False: None, True: "full"}.get(self.activation_checkpointing, self.activation_checkpointing)
         if mode not in CHECKPOINTING:
             raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} must be False, True, "
-                             "'full', 'mlp' or 'selective'")
+                             "'activation', 'full', 'mlp' or 'selective'")
         return mode
 
     def check_tp(self, tp: int) -> None:
