@@ -120,8 +120,15 @@ def test_a_node_stages_a_synchronous_save_only_if_its_ranks_copies_fit_in_half_t
     assert not staging_module.fits_in_host_memory(state, local_ranks=1, available=None)
 
 
-def test_state_already_in_host_memory_is_not_staged_again():
-    assert not staging_module.stages_before_writing(_state()[0])
+@pytest.mark.parametrize("available,reserved", [(10 ** 12, True), (1000, False), (None, False)])
+def test_reserving_only_if_room_reserves_where_the_node_has_room_for_its_ranks_copies(monkeypatch, available,
+                                                                                    reserved):
+    import tpflash.checkpoint.api as api
+    monkeypatch.setattr(api, "host_memory_available", lambda: available)
+    staging = HostStaging()
+    assert tpflash.checkpoint.reserve_staging(staging, build(seed=0), only_if_room=True) is reserved
+    staging._wait_for_buffers()
+    assert bool(staging._buffers) is reserved
 
 
 def sync_staged_body(root):

@@ -26,7 +26,7 @@ from .extras import (CONFIG_FILE, META_KEY, RNG_PREFIX, meta_for_save, model_con
                      set_rng_state, split_meta_keys)
 from .layout import MODEL_PREFIX, Chunk, model_slots
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
-from .staging import HostStaging, PendingSave, async_group, stages_before_writing
+from .staging import HostStaging, PendingSave, async_group, fits_in_host_memory, host_memory_available
 
 __all__ = ["save", "load", "latest", "wait_pending", "reserve_staging"]
 
@@ -181,13 +181,21 @@ def _agreed_step(root: str, step: Optional[int]) -> int:
     return box[0]
 
 
-def reserve_staging(staging: HostStaging, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-    """Start allocating `staging`'s host buffers for the state an async save of (model, optimizer) copies,
-    in a background thread, so that the first async save only copies (HostStaging.reserve). Call on
-    every rank (the state dict is collective under FSDP), once the optimizer has its state."""
+def reserve_staging(staging: HostStaging, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                    only_if_room: bool = False) -> bool:
+    """Start allocating `staging`'s host buffers for the state a save of (model, optimizer) copies, in a
+    background thread, so that the first save only copies (HostStaging.reserve). Call on every rank
+    (the state dict is collective under FSDP), once the optimizer has its state. only_if_room: reserve
+    only where the node has room for its ranks' copies (LOCAL_WORLD_SIZE of them in at most half of
+    the available host memory). Returns whether it reserved."""
     if not isinstance(staging, HostStaging):
-        raise TypeError(f"staging={staging!r} must be a tpflash.checkpoint.HostStaging (the one the async saves get)")
-    staging.reserve(_state_for_save(model, optimizer, 0, {}))
+        raise TypeError(f"staging={staging!r} must be a tpflash.checkpoint.HostStaging (the one the saves get)")
+    state = _state_for_save(model, optimizer, 0, {})
+    if only_if_room and not fits_in_host_memory(state, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                                host_memory_available()):
+        return False
+    staging.reserve(state)
+    return True
 
 
 def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,
@@ -199,11 +207,10 @@ def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     keeps the newest `keep` checkpoints (0: all). With `async_save` tensors are copied to host
     memory, then writing and committing continue in a background thread (on a dedicated gloo
     group) and the returned path (a str) has `.wait()`; the next save or load waits for it.
-    A synchronous save of state on a GPU copies it to host memory first where the node has room (its
-    ranks' copies within half of the available memory; staging.stages_before_writing), then writes it
-    through several threads per rank; otherwise straight from the GPU through one.
     `staging`: the tpflash.checkpoint.HostStaging whose buffers the state is copied into (one per run:
-    pinned and reused by every save; default a one-off pageable copy). `times` (a dict), if given,
+    pinned, reserved ahead (reserve_staging) and reused by every save). An async save without one makes
+    a one-off pageable copy; a synchronous save with one copies the state there, then writes it through
+    several threads per rank (without one: straight from the GPU, through one). `times` (a dict), if given,
     receives this rank's seconds per part of the save: "state" (the state dict, collective under
     FSDP), "staging" (the copy to host memory, where there is one), "write", "checksums" and "commit" (see
     _write_and_commit; for an async save, filled in by the background thread).
@@ -219,9 +226,9 @@ def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         state = _state_for_save(model, optimizer, step, extra)
     config = model_config(model)
     if not async_save:
-        if staging is not None or stages_before_writing(state):  # then written by WRITER_THREADS threads
+        if staging is not None:  # from host memory: written by WRITER_THREADS threads
             with _timed(times, "staging"):
-                state = (staging or HostStaging(pinned=False)).stage(state)
+                state = staging.stage(state)
         return _write_and_commit(state, root, step, keep, config, None, times)
     group = async_group()
     staging = HostStaging(pinned=False) if staging is None else staging  # a one-off: pageable, freed after

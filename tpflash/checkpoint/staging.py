@@ -6,7 +6,6 @@ collectives that the main thread issues meanwhile on the default group.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -72,16 +71,6 @@ def fits_in_host_memory(state: dict, local_ranks: int, available: Optional[int])
     """Whether `local_ranks` ranks of this node can each hold a host copy of a state like `state` in at most
     half of the `available` host memory (bytes; None: unknown, so no)."""
     return available is not None and state_bytes(state) * max(1, local_ranks) <= available // 2
-
-
-def stages_before_writing(state: dict) -> bool:
-    """Whether a synchronous save copies `state` to host memory before writing it: when some of it is on a
-    GPU and the node's ranks (LOCAL_WORLD_SIZE) have room for their copies. From host memory each rank
-    writes through several threads at once; from the GPU, DCP's writer goes through one
-    (docs/performance.md, "Checkpoints of a large model")."""
-    if not any(t.is_cuda for _, t in _tensors(state)):
-        return False
-    return fits_in_host_memory(state, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory_available())
 
 
 class HostStaging:

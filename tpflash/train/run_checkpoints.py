@@ -31,7 +31,9 @@ class RunCheckpoints:
         self.warnings: List[str] = []  # fallbacks past damaged steps, lock takeovers (also printed by rank 0)
         self.saved_step = -1  # the newest step this run has saved or resumed (-1: none)
         self.save_times = SaveTimes()
-        self.staging = checkpoint.HostStaging() if self.ck.async_save else None  # pinned, reused by every async save
+        # pinned host buffers, reused by every save: async saves copy the state there; synchronous ones
+        # too where the node has room (reserve_staging), then write it through several threads per rank
+        self.staging = checkpoint.HostStaging() if self.ck.async_save else None
         self._records: List[Tuple[int, Dict[str, float]]] = []  # loads, saves, exports not logged yet
         self._resume_path = _UNKNOWN
         self.lock = checkpoint.claim(self.ck.dir, warn=self.warn) if self.ck.dir else None
@@ -71,10 +73,19 @@ class RunCheckpoints:
         return info
 
     def reserve_staging(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """With async saves: page-lock the staging buffers now, in a background thread
-        (tpflash.checkpoint.reserve_staging), rather than at the first save."""
-        if self.staging is not None and self.ck.interval > 0:
-            checkpoint.reserve_staging(self.staging, model, optimizer)
+        """Page-lock the staging buffers now, in a background thread (tpflash.checkpoint.reserve_staging),
+        rather than at the first save: with async saves always; with synchronous saves of GPU state where
+        the node has room for every rank's copy (else they write from the GPU)."""
+        if not self.ck.dir:
+            return
+        if self.staging is not None:
+            if self.ck.interval > 0:
+                checkpoint.reserve_staging(self.staging, model, optimizer)
+            return
+        if any(p.is_cuda for p in model.parameters()):
+            staging = checkpoint.HostStaging()
+            if checkpoint.reserve_staging(staging, model, optimizer, only_if_room=True):
+                self.staging = staging
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, final: bool, fault,
              **extras) -> None:
