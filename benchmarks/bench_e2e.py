@@ -164,8 +164,17 @@ def make_optimizer(model: nn.Module, device: torch.device, fused: bool = True, l
 
 
 def _checkpointing(args):
-    """GPTConfig.activation_checkpointing for --ac (False for "none", or where args has no --ac)."""
-    return {"none": False}.get(getattr(args, "ac", "none"), getattr(args, "ac", "none"))
+    """GPTConfig.activation_checkpointing for --ac (False for "none"; the library's default "activation"
+    where args has no --ac)."""
+    ac = getattr(args, "ac", "activation")
+    return False if ac == "none" else ac
+
+
+def _recomputes(impl: str, args) -> bool:
+    """Whether `impl`'s row recomputes activations under --ac: tpflash's rows for every mode but "none";
+    torchtitan's for its own modes (selective, full); the other peers never."""
+    ac = _checkpointing(args)
+    return bool(ac) and (impl.startswith("tpflash") or (impl in EXTERNAL and ac in ("selective", "full")))
 
 
 def _dp_name(impl: str, dp_mode: str) -> str:
@@ -188,7 +197,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
     layout = layout_note(impl, ps, args) if impl in EXTERNAL else None
     if layout:  # the peer's own layout (torchtitan: FSDP2 over dp), whatever --dp-mode says
         row["note"] = layout
-    if _checkpointing(args):
+    if _recomputes(impl, args):
         row["note"] = "; ".join(filter(None, [row.get("note"), f"{args.ac} recomputation"]))
     skip = skip_reason(impl, shape, ps) if impl in EXTERNAL else None
     if skip:  # a row that says why, in the table too
@@ -333,10 +342,10 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=None, help="default: the model's (50304 for the GPTs)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--ac", choices=("none", "activation", "selective", "full"), default="none",
-                   help="activation checkpointing of every row that has it: tpflash's (activation: the MLP "
-                   "activation's output remade in the backward; selective keeps the GEMMs' outputs) and torchtitan's "
-                   "(selective: its per-op policy; it has no activation-only mode and runs none for it)")
+    p.add_argument("--ac", choices=("none", "activation", "selective", "full"), default="activation",
+                   help="activation checkpointing of every row that has it: tpflash's (activation, its default: the "
+                   "MLP activation's output remade in the backward; selective keeps the GEMMs' outputs) and "
+                   "torchtitan's (selective: its per-op policy; it has no activation-only mode and runs none for it)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--no-telemetry", action="store_true", help="do not sample the SM clock and power (nvidia-smi)")
     p.add_argument("--results", default="bench_e2e.jsonl", help="JSON lines, appended; the table covers all")

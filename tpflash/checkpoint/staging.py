@@ -1,6 +1,7 @@
-"""Async save: copy the state to host memory, then write and commit in a background thread.
+"""Host staging: copy the state to host memory, then write it from there (an async save: in a background
+thread; a synchronous one: at once, through several writer threads).
 
-The background thread's collectives (DCP's planning, the checksum gather, the commit
+An async save's background thread's collectives (DCP's planning, the checksum gather, the commit
 broadcast) run on a dedicated gloo group, so they never interleave with the training
 collectives that the main thread issues meanwhile on the default group.
 """
@@ -74,12 +75,12 @@ def fits_in_host_memory(state: dict, local_ranks: int, available: Optional[int])
 
 
 class HostStaging:
-    """The host buffers an async save copies the state into before it returns, kept from one save to
-    the next. `pinned` (the trainer's choice on CUDA): page-locked buffers, which take the device's
+    """The host buffers a save copies the state into (an async save before it returns), kept from one
+    save to the next. `pinned` (the trainer's choice on CUDA): page-locked buffers, which take the device's
     tensors at the link's speed with one wait for all of them, instead of a pageable copy per tensor;
     allocated on the first save, or ahead of it by `reserve` (page-locking tens of GB takes tens of
     seconds), they hold one rank's state in host memory for as long as this object lives. Pass the
-    same one to every async save of a run (`checkpoint.save(..., staging=)`); a save waits until the
+    same one to every save of a run (`checkpoint.save(..., staging=)`); a save waits until the
     previous write from these buffers has finished."""
 
     def __init__(self, pinned: bool = True):

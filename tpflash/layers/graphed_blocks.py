@@ -177,9 +177,6 @@ class GraphedBlocks:
             self._warm_up()
             if self.dp_sync is not None:
                 self.dp_sync.warm_up()
-            # the warm-up's activations were cached by the side stream's allocator, where neither the graphs'
-            # pool nor the steps reuse them: back to the driver, not held for the run
-            torch.cuda.empty_cache()
         else:
             self.fwd_graph = _EagerGraph(device.type, self.autocast_state)
             self.bwd_graph = _EagerGraph(device.type, NO_AUTOCAST)

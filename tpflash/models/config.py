@@ -50,9 +50,11 @@ class GPTConfig:
     n_kv_head None means n_head (no GQA). ffn_hidden None means 4*n_embd, or for SwiGLU
     8/3*n_embd rounded up to a multiple of 256 (Llama's rule). mlp "gelu" is the tanh
     approximation GPT-2 uses. dropout applies to the embeddings and both residual branches (not
-    to attention probabilities). activation_checkpointing: False, "activation" (the MLP activation's
-    output remade in the backward, not kept), True/"full" (whole blocks), "mlp" (the MLPs only) or
-    "selective" (the GEMM outputs kept, the rest of each block recomputed). fused_loss: the loss through tpflash.losses.fused_linear_cross_entropy
+    to attention probabilities). activation_checkpointing: "activation" (the default: the MLP
+    activation's output remade in the backward by one elementwise pass, not kept; ~20% less activation
+    memory for under 1% of the step, docs/performance.md, "Activation memory"), False (everything kept),
+    True/"full" (whole blocks), "mlp" (the MLPs only) or "selective" (the GEMM outputs kept, the rest
+    of each block recomputed). fused_loss: the loss through tpflash.losses.fused_linear_cross_entropy
     (token-chunked; the full logits never exist), else logits + vocab_parallel_cross_entropy.
     init_std: std of the normal init (residual output projections get init_std/sqrt(2*n_layer)).
     seed: seeds the model's dropout RNG tracker (tpflash.parallel.random).
@@ -86,7 +88,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     sequence_parallel: bool = False
-    activation_checkpointing: Union[bool, str] = False
+    activation_checkpointing: Union[bool, str] = "activation"
     fused_loss: bool = True
     init_std: float = 0.02
     seed: int = 0
