@@ -94,12 +94,17 @@ def two_saves_body(root):
     train(model, optimizer, range(2, 3), ps.dp_rank, ps.dp_size)  # goes on while step 2 is written
     tpflash.checkpoint.wait_pending(root)
     for step, before in snapshots.items():
-        fresh = build(seed=1)
-        fresh_optimizer = make_optimizer(fresh)
-        tpflash.checkpoint.load(os.path.join(root, f"step_{step}"), fresh, fresh_optimizer)
-        after = full_state(fresh, fresh_optimizer)
-        for key, value in before.items():
-            assert torch.equal(after[key], value), f"step {step}, {key}: not the state at its save"
+        _assert_loads_back(os.path.join(root, f"step_{step}"), before)
+
+
+def _assert_loads_back(path, before):
+    """A fresh model and optimizer loaded from `path` hold exactly `before` (a full_state)."""
+    fresh = build(seed=1)
+    fresh_optimizer = make_optimizer(fresh)
+    tpflash.checkpoint.load(path, fresh, fresh_optimizer)
+    after = full_state(fresh, fresh_optimizer)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), f"{path}, {key}: not the state at its save"
 
 
 @pytest.mark.cpu_ranks
@@ -112,7 +117,7 @@ def test_reserving_without_a_staging_is_refused_naming_it():
         tpflash.checkpoint.reserve_staging(None, build(seed=0))
 
 
-def test_a_node_stages_a_synchronous_save_only_if_its_ranks_copies_fit_in_half_the_free_memory():
+def test_a_node_has_room_when_its_ranks_copies_fit_in_half_of_its_available_memory():
     state = {"w": torch.zeros(1000), "meta": b"not counted"}  # 4,000 bytes
     assert staging_module.state_bytes(state) == 4000
     assert staging_module.fits_in_host_memory(state, local_ranks=4, available=32_000)
@@ -143,12 +148,7 @@ def sync_staged_body(root):
     assert "staging" in times and times["write"] > 0
     mine = [f for f in os.listdir(path) if f.startswith(f"__{rank}_") and f.endswith(".distcp")]
     assert len(mine) > 1, f"rank {rank} wrote {mine}: staged state goes through several writer threads"
-    fresh = build(seed=1)
-    fresh_optimizer = make_optimizer(fresh)
-    tpflash.checkpoint.load(path, fresh, fresh_optimizer)
-    after = full_state(fresh, fresh_optimizer)
-    for key, value in before.items():
-        assert torch.equal(after[key], value), f"{key}: not the state at the save"
+    _assert_loads_back(path, before)
 
 
 @pytest.mark.cpu_ranks

@@ -20,7 +20,7 @@ ACTIVATIONS = ACTIVATION_FUNCTIONS  # the non-gated MLP's: "gelu" (tanh, GPT-2's
 MLPS = tuple(ACTIVATIONS) + ("swiglu",)
 
 
-def _on_the_forward_s_kernels(activation):
+def _on_the_same_kernels(activation):
     """`activation`, to be run again in the backward on the kernels (Triton or reference) it runs on now,
     whatever is forced there: the remade output must have the forward's bits."""
     backend = requested_backend()
@@ -120,7 +120,7 @@ class ParallelMLP(nn.Module):
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
             activation = partial(kernels.swiglu, up, gate)
             h = kernels.swiglu(up, gate, amaxes)
-        remake = _on_the_forward_s_kernels(activation) if self.recompute_activation and torch.is_grad_enabled() else None
+        remake = _on_the_same_kernels(activation) if self.recompute_activation and torch.is_grad_enabled() else None
         with recomputed_when_saved(h, remake):  # h not kept for the backward when remade there
             return self.down_proj(h, fp8_input_amax=amaxes[0] if amaxes else None)  # [seq(/tp), b, hidden]
 
