@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tpflash
-from tests.checkpoint.tiny_model import build, full_state, make_optimizer, train
+from tests.checkpoint.tiny_model import assert_loads_back, build, full_state, make_optimizer, train
 from tests.distributed.checks import init_tp
 from tpflash.checkpoint import HostStaging, PendingSave
 from tpflash.checkpoint import staging as staging_module
@@ -94,17 +94,7 @@ def two_saves_body(root):
     train(model, optimizer, range(2, 3), ps.dp_rank, ps.dp_size)  # goes on while step 2 is written
     tpflash.checkpoint.wait_pending(root)
     for step, before in snapshots.items():
-        _assert_loads_back(os.path.join(root, f"step_{step}"), before)
-
-
-def _assert_loads_back(path, before):
-    """A fresh model and optimizer loaded from `path` hold exactly `before` (a full_state)."""
-    fresh = build(seed=1)
-    fresh_optimizer = make_optimizer(fresh)
-    tpflash.checkpoint.load(path, fresh, fresh_optimizer)
-    after = full_state(fresh, fresh_optimizer)
-    for key, value in before.items():
-        assert torch.equal(after[key], value), f"{path}, {key}: not the state at its save"
+        assert_loads_back(os.path.join(root, f"step_{step}"), before)
 
 
 @pytest.mark.cpu_ranks
@@ -148,7 +138,7 @@ def sync_staged_body(root):
     assert "staging" in times and times["write"] > 0
     mine = [f for f in os.listdir(path) if f.startswith(f"__{rank}_") and f.endswith(".distcp")]
     assert len(mine) > 1, f"rank {rank} wrote {mine}: staged state goes through several writer threads"
-    _assert_loads_back(path, before)
+    assert_loads_back(path, before)
 
 
 @pytest.mark.cpu_ranks

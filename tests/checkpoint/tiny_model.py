@@ -117,3 +117,14 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, 
         for key, value in optimizer.state.get(p, {}).items():
             out[f"{name}.{key}"] = unshard(model, name, value) if value.dim() else value.clone()
     return out
+
+
+def assert_loads_back(path: str, before: Dict[str, torch.Tensor]) -> None:
+    """A fresh model and optimizer loaded from checkpoint `path` hold exactly `before` (a full_state)."""
+    import tpflash.checkpoint
+    fresh = build(seed=1)
+    fresh_optimizer = make_optimizer(fresh)
+    tpflash.checkpoint.load(path, fresh, fresh_optimizer)
+    after = full_state(fresh, fresh_optimizer)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), f"{path}, {key}: not the state at its save"
