@@ -50,20 +50,6 @@ def test_a_save_hashes_its_shard_files_while_writing_them_and_the_manifest_match
         assert entry["sha256_blocks"] == _sha256_blocks(data, integrity.BLOCK_BYTES), name
 
 
-def test_the_hashing_file_system_hashes_each_block_of_what_was_appended_and_gives_up_after_a_seek(tmp_path):
-    with integrity.HashingFileSystem(block_bytes=7) as fs:
-        with fs.create_stream(tmp_path / "appended", "wb") as f:
-            for piece in (b"abc" * 1000, bytearray(b"xyz"), memoryview(b"0123456789"), b""):
-                f.write(piece)
-        with fs.create_stream(tmp_path / "rewritten", "wb") as f:
-            f.write(b"aaaa")
-            f.seek(0)
-            f.write(b"b")
-    data = (tmp_path / "appended").read_bytes()
-    assert fs.digests == {"appended": _sha256_blocks(data, 7)}
-    assert len(fs.digests["appended"]) == -(-len(data) // 7)
-
-
 def test_hash_files_reads_back_only_the_files_not_hashed_while_written(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 20)
     (tmp_path / "b").write_bytes(b"")

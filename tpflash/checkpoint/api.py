@@ -27,6 +27,7 @@ from .extras import (CONFIG_FILE, META_KEY, RNG_PREFIX, meta_for_save, model_con
 from .layout import MODEL_PREFIX, Chunk, model_slots
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
 from .staging import HostStaging, PendingSave, async_group, fits_in_host_memory, host_memory_available
+from .shard_files import ShardFileSystem
 
 __all__ = ["save", "load", "latest", "wait_pending", "reserve_staging"]
 
@@ -147,12 +148,12 @@ def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Opti
     tmp = _broadcast(made[0] if made else None, group)  # its name is rank 0's (host, pid, random)
     with _timed(times, "write"):
         writer = dcp.FileSystemWriter(tmp, thread_count=writer_threads(state))
-        with integrity.HashingFileSystem() as hashing:  # each file hashed as it is written: no second read
-            writer.fs = hashing
+        with ShardFileSystem() as files:  # each file hashed as it is written (no second read), direct I/O
+            writer.fs = files
             dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group, no_dist=_no_dist())
     with _timed(times, "checksums"):
         try:
-            mine = integrity.hash_files(tmp, integrity.own_files(tmp, rank), known=hashing.digests)
+            mine = integrity.hash_files(tmp, integrity.own_files(tmp, rank), known=files.digests)
         except OSError as e:  # reported through rank 0, so no rank waits for a peer that gave up
             mine = f"rank {rank} could not checksum its files: {e}"
         gathered = _all_gather(mine, group)

@@ -7,7 +7,7 @@ one thread, at save and again at load. Blocks are hashed by HASH_THREADS threads
 (hashlib releases the GIL).
 
 Save: each rank hashes the files it writes (`__<rank>_*.distcp`) as DCP writes them
-(HashingFileSystem: each full block is copied and handed to the hashing threads; no second read),
+(shard_files.ShardFileSystem: each block is hashed just before it is written; no second read),
 rank 0 gathers those, hashes the rest (DCP's `.metadata`, ...), checks that DCP's metadata only
 points into listed files, and writes the manifest last. Load: every rank checks that each listed
 file exists with its size and hashes its share of all the blocks (block i on rank i % world); one
@@ -20,18 +20,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
-
-from torch.distributed.checkpoint.filesystem import FileSystem
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .directory import MANIFEST
 
 FileHashes = Dict[str, Dict[str, object]]  # name -> {"bytes": int, "block_bytes": int, "sha256_blocks": [str]}
 BLOCK_BYTES = 16 << 20  # a 24 GB shard file: 1,500 digests (100 KB of manifest)
-HASH_THREADS = 4  # blocks hashed side by side, per process
+HASH_THREADS = 4  # blocks read back and hashed side by side, per process
 _READ = 1 << 22  # read size of a whole-file digest (earlier manifests)
 
 
@@ -69,7 +65,7 @@ def _hash_jobs(jobs: List[Tuple[str, int, int]]) -> List[str]:
 def hash_files(directory: str, names: List[str], known: Optional[Dict[str, List[str]]] = None,
                block_bytes: int = BLOCK_BYTES) -> FileHashes:
     """{name: {"bytes", "block_bytes", "sha256_blocks"}} of the named files in `directory`; `known`
-    (name -> block digests of `block_bytes`, e.g. HashingFileSystem.digests) spares reading those
+    (name -> block digests of `block_bytes`, e.g. ShardFileSystem.digests) spares reading those
     files again."""
     known = known or {}
     sizes = {n: os.path.getsize(os.path.join(directory, n)) for n in names}
@@ -81,88 +77,6 @@ def hash_files(directory: str, names: List[str], known: Optional[Dict[str, List[
         blocks = known[n] if n in known else [next(digests) for _ in _blocks(sizes[n], block_bytes)]
         out[n] = {"bytes": sizes[n], "block_bytes": block_bytes, "sha256_blocks": list(blocks)}
     return out
-
-
-class _HashingWriter:
-    """A binary file being written, its bytes copied into blocks that `pool` hashes while the writing
-    goes on. Any seek makes the digests unusable (None): the hashes then come from reading the file
-    back. At most `2 * HASH_THREADS` blocks wait for their hash at a time (the writer waits for the
-    oldest beyond that), so memory stays bounded when the disk is faster than the hashing."""
-
-    def __init__(self, raw, pool: ThreadPoolExecutor, block_bytes: int):
-        self.raw, self.pool, self.block_bytes = raw, pool, block_bytes
-        self._block, self._hashes, self._appended_only = bytearray(), [], True
-        self._waited = 0  # _hashes[:_waited] are known to be done
-
-    def write(self, data) -> int:
-        written = self.raw.write(data)
-        view = memoryview(data).cast("B")
-        if written is not None and written != view.nbytes:  # a short write: what reached the file is unknown
-            self._appended_only = False
-        while view.nbytes:
-            take = min(self.block_bytes - len(self._block), view.nbytes)
-            self._block += view[:take]  # a copy: DCP may reuse the buffer it wrote from
-            view = view[take:]
-            if len(self._block) == self.block_bytes:
-                self._submit()
-        return written
-
-    def _submit(self) -> None:
-        block, self._block = bytes(self._block), bytearray()
-        self._hashes.append(self.pool.submit(lambda b: hashlib.sha256(b).hexdigest(), block))
-        while len(self._hashes) - self._waited > 2 * HASH_THREADS:
-            self._hashes[self._waited].result()
-            self._waited += 1
-
-    def seek(self, *args) -> int:
-        self._appended_only = False
-        return self.raw.seek(*args)
-
-    def digests(self) -> Optional[List[str]]:
-        """The block digests of everything written (call once, after the last write)."""
-        if self._block:
-            self._submit()
-        hashes: List[Future] = self._hashes
-        return [h.result() for h in hashes] if self._appended_only else None
-
-    def __getattr__(self, name):  # tell, flush, fileno, close, ...: the file's own
-        return getattr(self.raw, name)
-
-
-class HashingFileSystem(FileSystem):
-    """DCP's local FileSystem (give it to a FileSystemWriter as `.fs`) that hashes each file it writes
-    while writing it: `digests` maps file name -> block digests (of `block_bytes`) for every file
-    written front to back. Its HASH_THREADS hashing threads are shared by DCP's writer threads;
-    `close()` (or leaving its `with`) stops them."""
-
-    def __init__(self, block_bytes: int = BLOCK_BYTES):
-        super().__init__()
-        self.block_bytes = block_bytes
-        self.digests: Dict[str, List[str]] = {}
-        self._lock = threading.Lock()  # DCP's writer threads each write their own files
-        self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="tpflash-hash")
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> "HashingFileSystem":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @contextmanager
-    def create_stream(self, path, mode: str) -> Iterator:
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode or "+" in mode:
-                yield raw
-                return
-            stream = _HashingWriter(raw, self._pool, self.block_bytes)
-            yield stream
-        digests = stream.digests()
-        if digests is not None:
-            with self._lock:
-                self.digests[os.path.basename(os.fspath(path))] = digests
 
 
 def own_files(directory: str, rank: int) -> List[str]:

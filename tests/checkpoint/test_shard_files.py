@@ -1,0 +1,106 @@
+"""The files a save writes: every byte lands at its place, with direct I/O where the filesystem takes it
+and through the page cache where not, each block hashed as it is written, and a failed write fails
+the file instead of leaving it short."""
+import errno
+import hashlib
+import os
+
+import pytest
+
+from tpflash.checkpoint import shard_files
+from tpflash.checkpoint.shard_files import ALIGN, ShardFileSystem
+
+PIECES = (b"abc" * 5000, bytearray(b"xyz"), memoryview(b"0123456789"), b"", os.urandom(3 * ALIGN + 5))
+
+
+def _sha256_blocks(data: bytes, block_bytes: int):
+    return [hashlib.sha256(data[i:i + block_bytes]).hexdigest() for i in range(0, len(data), block_bytes)]
+
+
+def _write(fs: ShardFileSystem, path, pieces=PIECES) -> bool:
+    """Write `pieces` to `path` through `fs`; whether the stream wrote with direct I/O."""
+    with fs.create_stream(path, "wb") as f:
+        offset = 0
+        for piece in pieces:
+            assert f.tell() == offset
+            f.write(piece)
+            offset += memoryview(piece).nbytes
+        direct = f.direct
+    return direct
+
+
+def _takes_direct_io(directory) -> bool:
+    try:
+        os.close(os.open(os.path.join(directory, "probe"), os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0)))
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+@pytest.mark.parametrize("block_bytes", [2 * ALIGN, 7], ids=["aligned-blocks", "odd-blocks"])
+def test_a_shard_file_holds_every_byte_written_and_the_digest_of_each_block(tmp_path, direct, block_bytes):
+    with ShardFileSystem(block_bytes=block_bytes, direct=direct) as fs:
+        _write(fs, tmp_path / "shard")
+        _write(fs, tmp_path / "empty", pieces=())
+    data = (tmp_path / "shard").read_bytes()
+    assert data == b"".join(bytes(p) for p in PIECES)
+    assert fs.digests == {"shard": _sha256_blocks(data, block_bytes), "empty": []}
+
+
+def test_direct_io_is_used_where_the_filesystem_takes_it(tmp_path):
+    if not _takes_direct_io(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    with ShardFileSystem(block_bytes=2 * ALIGN) as fs:
+        assert _write(fs, tmp_path / "shard")
+        assert not _write(ShardFileSystem(direct=False), tmp_path / "cached")
+
+
+def test_a_filesystem_that_refuses_direct_io_at_open_gets_the_page_cache(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def open_without_direct(path, flags, *mode):
+        if flags & shard_files._DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *mode)
+
+    monkeypatch.setattr(shard_files.os, "open", open_without_direct)
+    with ShardFileSystem(block_bytes=2 * ALIGN) as fs:
+        assert not _write(fs, tmp_path / "shard")
+    assert (tmp_path / "shard").read_bytes() == b"".join(bytes(p) for p in PIECES)
+
+
+def test_a_direct_write_the_filesystem_refuses_is_written_through_the_page_cache(tmp_path, monkeypatch):
+    if not _takes_direct_io(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    real_pwrite, refused = os.pwrite, []
+
+    def pwrite_refusing_direct(fd, data, offset):
+        if shard_files.fcntl.fcntl(fd, shard_files.fcntl.F_GETFL) & shard_files._DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(shard_files.os, "pwrite", pwrite_refusing_direct)
+    with ShardFileSystem(block_bytes=2 * ALIGN) as fs:
+        _write(fs, tmp_path / "shard")
+    assert refused and (tmp_path / "shard").read_bytes() == b"".join(bytes(p) for p in PIECES)
+
+
+def test_a_failed_write_fails_the_file_at_close(tmp_path, monkeypatch):
+    def disk_full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shard_files.os, "pwrite", disk_full)
+    with ShardFileSystem(block_bytes=2 * ALIGN) as fs:
+        with pytest.raises(OSError, match="No space left"):
+            _write(fs, tmp_path / "shard")
+    assert fs.digests == {}
+
+
+def test_a_shard_file_is_written_front_to_back_and_refuses_a_seek(tmp_path):
+    with ShardFileSystem() as fs:
+        with fs.create_stream(tmp_path / "shard", "wb") as f:
+            f.write(b"aaaa")
+            with pytest.raises(OSError, match="front to back"):
+                f.seek(0)
