@@ -14,7 +14,6 @@ truncated to its size) and the file fsync'd; a failed write raises there, or at 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import mmap
 import os
@@ -29,10 +28,15 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from .integrity import BLOCK_BYTES
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no direct I/O either
+    fcntl = None
+
 IO_THREADS = 4  # blocks hashed and written side by side, per process (hashlib and pwrite release the GIL)
 BLOCKS_PER_FILE = 4  # aligned buffers a file's stream cycles through: 64 MiB per file being written
 ALIGN = 4096  # direct I/O's alignment of buffer address, offset and length (covers 512-byte devices)
-_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: the page cache
+_DIRECT = getattr(os, "O_DIRECT", 0) if fcntl else 0  # 0 where the platform has none: the page cache
 
 
 def _open_for_writing(path: str, direct: bool) -> int:
@@ -51,7 +55,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         try:
             written = os.pwrite(fd, data, offset)
         except OSError as e:  # a filesystem that opened with O_DIRECT but refuses the write: the page cache
-            if e.errno != errno.EINVAL or not fcntl.fcntl(fd, fcntl.F_GETFL) & _DIRECT:
+            if e.errno != errno.EINVAL or not (_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & _DIRECT):
                 raise
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_DIRECT)
             continue
