@@ -69,7 +69,8 @@ class _BlockStream:
 
     def __init__(self, path: str, pool: ThreadPoolExecutor, block_bytes: int, direct: bool):
         self.path, self.pool, self.block_bytes = path, pool, block_bytes
-        self.fd = _open_for_writing(path, direct and block_bytes % ALIGN == 0)  # direct I/O needs aligned offsets
+        self._aligned = block_bytes % ALIGN == 0  # direct I/O needs aligned offsets; then only the last block is short
+        self.fd = _open_for_writing(path, direct and self._aligned)
         self._free: "queue.Queue[mmap.mmap]" = queue.Queue()
         self._made = 0  # buffers allocated so far (at most BLOCKS_PER_FILE)
         self._block, self._filled = None, 0  # the block being filled and how many bytes it holds
@@ -117,8 +118,9 @@ class _BlockStream:
         try:
             with memoryview(block) as view:
                 digest = hashlib.sha256(view[:size]).hexdigest()
-                aligned = self.block_bytes % ALIGN == 0  # then only the last block is short: its padding goes at close
-                _pwrite_all(self.fd, view[:-(-size // ALIGN) * ALIGN if aligned else size], offset)
+                # a short last block is padded for direct I/O; close() truncates the file to its size
+                padded = -(-size // ALIGN) * ALIGN if self._aligned else size
+                _pwrite_all(self.fd, view[:padded], offset)
             return digest
         except BaseException as e:
             self._error = self._error or e
