@@ -2,7 +2,7 @@
 
     python benchmarks/checkpoint_table.py OUT
 
-Reads OUT/disk.log (dd's rates), OUT/{save,load,async}/metrics.jsonl (the trainer's "checkpoint"
+Reads OUT/disk.log (dd's rates), OUT/{save,cached,load,async}/metrics.jsonl (the trainer's "checkpoint"
 records) and OUT/dcp/metrics.jsonl (PyTorch DCP's own saves, benchmarks/checkpoint_dcp_peer.py). The async save's cost is the mean step time while its background write ran against the
 mean step time of the other steps (steps 1-4 left out: compilation and warm-up), plus its staging
 (the blocking part) spread over the checkpoint interval.
@@ -63,7 +63,7 @@ def main(out: str) -> None:
     print("\n| operation | seconds | GB | GB/s | of the disk's | parts (s) |\n|---|---:|---:|---:|---:|---|")
     names = {"save_s": ("save", f"write {writers}"), "write_s": ("async save, background write", f"write {writers}"),
              "load_s": ("load (checksums verified)", "read 1"), "export_s": ("Hugging Face export", f"write {writers}")}
-    for phase in ("save", "load", "async", "dcp"):
+    for phase in ("save", "cached", "load", "async", "dcp"):
         for r in records(out, phase):
             for key, (label, ref) in names.items():
                 if r["kind"] == "checkpoint" and key in r:

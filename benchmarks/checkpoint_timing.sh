@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # How long a large model's checkpoints take on one node, against the disk's own bandwidth:
 #   OUT=<dir> [CKPT=<dir on the disk to measure>] [PRESET=llama-3-8b] [VOCAB=128256] [NPROC=4] \
-#     [PHASES="disk save load async dcp"] bash benchmarks/checkpoint_timing.sh
+#     [PHASES="disk save cached load async dcp"] bash benchmarks/checkpoint_timing.sh
 # disk:  dd, DISK_GB (8) GB with direct I/O: one writer, NPROC writers side by side (as the ranks write), one reader.
 # save:  the trainer, sharded dp=NPROC (fsdp=on), 60 steps (its host staging buffers page-locked in the
 #        background meanwhile), then its synchronous save of model + AdamW state.
+# cached: the same save with --checkpoint.direct_io=false (every file through the page cache).
 # load:  the same checkpoint resumed at tp=2 x dp=NPROC/2 (fsdp=zero1), then the Hugging Face export.
 # async: sharded dp=NPROC, 300 steps, an async save at step 150, the final one synchronous (room for two
 #        checkpoints on CKPT's disk): the staging time, and the steps' time while the save is written.
@@ -40,11 +41,15 @@ disk() {
   rm -f "$CKPT"/dd*
 }
 
-save() {
+save() {  # [extra trainer arguments]; logs under the phase being run (save or cached)
   rm -rf "$CKPT/ck"
-  timeout 420 $RUN "${TRAIN[@]}" --tp=1 --fsdp=on --train.batch_size=$((2 * NPROC)) --train.steps=60 --log.dir="$OUT/save" 2>&1 \
-    | show save
+  timeout 420 $RUN "${TRAIN[@]}" --tp=1 --fsdp=on --train.batch_size=$((2 * NPROC)) --train.steps=60 \
+    --log.dir="$OUT/$phase" "$@" 2>&1 | show "$phase"
   du -sh "$CKPT/ck"
+}
+
+cached() {
+  save --checkpoint.direct_io=false
 }
 
 load() {

@@ -7,8 +7,13 @@ import os
 
 import pytest
 
+import tpflash
+from tests.checkpoint.tiny_model import build, make_optimizer
 from tpflash.checkpoint import shard_files
 from tpflash.checkpoint.shard_files import ALIGN, ShardFileSystem
+from tpflash.train.config import parse_args
+from tpflash.train.faults import Fault
+from tpflash.train.run_checkpoints import RunCheckpoints
 
 PIECES = (b"abc" * 5000, bytearray(b"xyz"), memoryview(b"0123456789"), b"", os.urandom(3 * ALIGN + 5))
 
@@ -104,3 +109,36 @@ def test_a_shard_file_is_written_front_to_back_and_refuses_a_seek(tmp_path):
             f.write(b"aaaa")
             with pytest.raises(OSError, match="front to back"):
                 f.seek(0)
+
+
+def _direct_flags_of_a_save(tmp_path, monkeypatch, **save_kwargs) -> set:
+    """The `direct` argument of every file a save of the tiny model opened."""
+    asked, real = [], shard_files._open_for_writing
+    monkeypatch.setattr(shard_files, "_open_for_writing", lambda path, direct: (asked.append(direct), real(path, direct))[1])
+    model = build(seed=0, tp=False)
+    tpflash.checkpoint.save(tmp_path, model, make_optimizer(model), step=1, **save_kwargs)
+    return set(asked)
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_save_writes_with_direct_io_unless_told_not_to(tmp_path, monkeypatch):
+    assert _direct_flags_of_a_save(tmp_path / "default", monkeypatch) == {True}
+    assert _direct_flags_of_a_save(tmp_path / "cached", monkeypatch, direct_io=False) == {False}
+    with pytest.raises(ValueError, match="direct_io='no' must be True or False"):
+        tpflash.checkpoint.save(tmp_path / "bad", build(seed=0, tp=False), direct_io="no")
+
+
+def trainer_save_body(directory: str) -> list:
+    """One rank: the trainer's checkpoint machinery, configured with checkpoint.direct_io=false, saves the
+    tiny model; the `direct` argument of every file it opened."""
+    asked, real = [], shard_files._open_for_writing
+    shard_files._open_for_writing = lambda path, direct: (asked.append(direct), real(path, direct))[1]
+    cfg = parse_args([f"--checkpoint.dir={directory}", "--checkpoint.direct_io=false"])
+    run, model = RunCheckpoints(cfg), build(seed=0, tp=False)
+    run.save(1, model, make_optimizer(model), final=True, fault=Fault(0, 1, spec=""))
+    return asked
+
+
+def test_the_trainers_checkpoint_direct_io_key_reaches_its_saves(ranks, tmp_path):
+    asked = ranks(1).run(trainer_save_body, str(tmp_path / "run"))[0]
+    assert asked and set(asked) == {False}

@@ -137,7 +137,7 @@ def _timed(times: Optional[Dict[str, float]], part: str) -> Iterator[None]:
 
 
 def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Optional[dict], group,
-                      times: Optional[Dict[str, float]] = None) -> str:
+                      times: Optional[Dict[str, float]] = None, direct_io: bool = True) -> str:
     """Write `state` to a unique root/.tmp-step_N-*, checksum it, rename it to root/step_N, update `latest`.
     `times` receives the seconds of "write" (DCP: planning, device-to-host copies, files written, hashed
     and fsync'd), "checksums" (each rank's hashes, any file not hashed while written read back, then one
@@ -148,7 +148,7 @@ def _write_and_commit(state: dict, root: str, step: int, keep: int, config: Opti
     tmp = _broadcast(made[0] if made else None, group)  # its name is rank 0's (host, pid, random)
     with _timed(times, "write"):
         writer = dcp.FileSystemWriter(tmp, thread_count=writer_threads(state))
-        with ShardFileSystem() as files:  # each file hashed as it is written (no second read), direct I/O
+        with ShardFileSystem(direct=direct_io) as files:  # each file hashed as it is written (no second read)
             writer.fs = files
             dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group, no_dist=_no_dist())
     with _timed(times, "checksums"):
@@ -201,7 +201,7 @@ def reserve_staging(staging: HostStaging, model: nn.Module, optimizer: Optional[
 
 def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,
          keep: int = 3, async_save: bool = False, staging: Optional[HostStaging] = None,
-         times: Optional[Dict[str, float]] = None, **extra) -> str:
+         times: Optional[Dict[str, float]] = None, direct_io: bool = True, **extra) -> str:
     """Save model, optimizer, RNG states and `extra` as root/step_<step>; return that path. Call on every rank.
 
     `step` None means one past the newest checkpoint. The save is atomic (see directory.py) and
@@ -214,13 +214,17 @@ def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     several threads per rank (without one: straight from the GPU, through one). `times` (a dict), if given,
     receives this rank's seconds per part of the save: "state" (the state dict, collective under
     FSDP), "staging" (the copy to host memory, where there is one), "write", "checksums" and "commit" (see
-    _write_and_commit; for an async save, filled in by the background thread).
+    _write_and_commit; for an async save, filled in by the background thread). `direct_io`: the files are
+    written with direct I/O where the filesystem takes it (tpflash.checkpoint.shard_files); False sends
+    them through the page cache (for a filesystem whose direct I/O is slow).
     """
     root = os.fspath(root)
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ValueError(f"step={step!r} must be an integer >= 0 (or None for the next one)")
     if not isinstance(keep, int) or keep < 0:
         raise ValueError(f"keep={keep!r} must be an integer >= 0 (0 keeps every checkpoint)")
+    if not isinstance(direct_io, bool):
+        raise ValueError(f"direct_io={direct_io!r} must be True or False")
     wait_pending(root)
     step = _agreed_step(root, step)
     with _timed(times, "state"):
@@ -230,14 +234,14 @@ def save(root, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         if staging is not None:  # from host memory: written by WRITER_THREADS threads
             with _timed(times, "staging"):
                 state = staging.stage(state)
-        return _write_and_commit(state, root, step, keep, config, None, times)
+        return _write_and_commit(state, root, step, keep, config, None, times, direct_io)
     group = async_group()
     staging = HostStaging(pinned=False) if staging is None else staging  # a one-off: pageable, freed after
     with _timed(times, "staging"):
         staged = staging.stage(state)
     pending = PendingSave(directory.step_dir(root, step))
     staging.read_by(pending)
-    pending.start(lambda: _write_and_commit(staged, root, step, keep, config, group, times))
+    pending.start(lambda: _write_and_commit(staged, root, step, keep, config, group, times, direct_io))
     _pending[os.path.abspath(root)] = pending
     return pending
 

@@ -92,6 +92,7 @@ class CheckpointSection:
     keep: int = 3  # the newest `keep` checkpoints stay; 0 keeps every one
     resume: bool = True
     async_save: bool = False  # periodic saves return once tensors are in host memory (the last one waits)
+    direct_io: bool = True  # files written with O_DIRECT where the filesystem takes it; false: the page cache
     export_hf: str = ""  # at the end of training, a Hugging Face model directory here (tpflash.models.save_pretrained)
     on_corrupt: str = "fallback"  # newest step fails verification at resume: fallback (to the step before) | error
     # model config fields a resumed run may set to other values than the checkpoint's (tpflash.train.resume_config)

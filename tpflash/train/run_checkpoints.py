@@ -96,7 +96,7 @@ class RunCheckpoints:
         with fault.around_save(step, self.ck.dir):
             path = checkpoint.save(self.ck.dir, model, optimizer, step=step, keep=self.ck.keep,
                                    async_save=self.ck.async_save and not final, staging=self.staging,
-                                   times=parts, **extras)
+                                   times=parts, direct_io=self.ck.direct_io, **extras)
             if final:
                 checkpoint.wait_pending(self.ck.dir)
                 self.release()  # the job's last write to the directory: free it for the next job
