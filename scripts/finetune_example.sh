@@ -7,12 +7,14 @@
 #      each example; the weights stream from the safetensors files, each rank reading its own shard;
 #   3. export the result as a Hugging Face directory at the end of training;
 #   4. reload it with transformers, compare its logits with tpflash's, and generate a few tokens.
-# About 30-60 seconds on 2 cores. Output: runs/finetune/ (TPFLASH_FINETUNE_DIR to put it elsewhere).
+# About a minute on 2 cores. Output: runs/finetune/ (TPFLASH_FINETUNE_DIR to put it elsewhere;
+# TPFLASH_FINETUNE_STEPS: training steps, default 60).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=""   # 2 CPU ranks on 2 cores (see scripts/demo.sh)
 RUN="${TPFLASH_FINETUNE_DIR:-runs/finetune}"
+STEPS="${TPFLASH_FINETUNE_STEPS:-60}"
 rm -rf "$RUN"
 mkdir -p "$RUN"
 
@@ -36,7 +38,7 @@ echo "== 2/4 and 3/4: fine-tune at tp=2 on 2 CPU ranks (packed jsonl, loss on an
 python -m torch.distributed.run --standalone --nproc_per_node=2 -m tpflash.train --tp=2 \
   --model.init_from="$RUN/base" --model.sequence_parallel=true \
   --data.path=examples/data/tiny_sft.jsonl --data.seq_len=256 --data.eval_fraction=0.1 \
-  --train.steps=60 --train.batch_size=8 --train.lr=3e-3 --train.warmup_steps=5 --train.eval_interval=30 \
+  --train.steps="$STEPS" --train.batch_size=8 --train.lr=3e-3 --train.warmup_steps=5 --train.eval_interval=30 \
   --log.dir="$RUN" --log.interval=10 --log.progress=lines \
   --checkpoint.dir="$RUN/ckpt" --checkpoint.export_hf="$RUN/hf"
 
