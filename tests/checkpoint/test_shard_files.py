@@ -111,10 +111,16 @@ def test_a_shard_file_is_written_front_to_back_and_refuses_a_seek(tmp_path):
                 f.seek(0)
 
 
+def _recording_opens(asked: list):
+    """shard_files._open_for_writing, appending each call's `direct` argument to `asked`."""
+    real = shard_files._open_for_writing
+    return lambda path, direct: (asked.append(direct), real(path, direct))[1]
+
+
 def _direct_flags_of_a_save(tmp_path, monkeypatch, **save_kwargs) -> set:
     """The `direct` argument of every file a save of the tiny model opened."""
-    asked, real = [], shard_files._open_for_writing
-    monkeypatch.setattr(shard_files, "_open_for_writing", lambda path, direct: (asked.append(direct), real(path, direct))[1])
+    asked = []
+    monkeypatch.setattr(shard_files, "_open_for_writing", _recording_opens(asked))
     model = build(seed=0, tp=False)
     tpflash.checkpoint.save(tmp_path, model, make_optimizer(model), step=1, **save_kwargs)
     return set(asked)
@@ -131,8 +137,8 @@ def test_a_save_writes_with_direct_io_unless_told_not_to(tmp_path, monkeypatch):
 def trainer_save_body(directory: str) -> list:
     """One rank: the trainer's checkpoint machinery, configured with checkpoint.direct_io=false, saves the
     tiny model; the `direct` argument of every file it opened."""
-    asked, real = [], shard_files._open_for_writing
-    shard_files._open_for_writing = lambda path, direct: (asked.append(direct), real(path, direct))[1]
+    asked = []
+    shard_files._open_for_writing = _recording_opens(asked)
     cfg = parse_args([f"--checkpoint.dir={directory}", "--checkpoint.direct_io=false"])
     run, model = RunCheckpoints(cfg), build(seed=0, tp=False)
     run.save(1, model, make_optimizer(model), final=True, fault=Fault(0, 1, spec=""))
