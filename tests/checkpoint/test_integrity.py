@@ -95,3 +95,25 @@ def test_a_block_list_that_does_not_fit_the_size_is_corrupt(tmp_path):
     integrity.write_manifest(str(tmp_path), entries)
     with pytest.raises(CheckpointCorruptError, match="file data has 3 blocks, the manifest lists 2"):
         integrity.verify(str(tmp_path), deep=False)
+
+
+def _two_writers(tmp_path) -> None:
+    """Shard files of ranks 0 and 1, three 16-byte blocks each, in a manifest."""
+    for rank in (0, 1):
+        (tmp_path / f"__{rank}_0.distcp").write_bytes(os.urandom(48))
+    names = ["__0_0.distcp", "__1_0.distcp"]
+    integrity.write_manifest(str(tmp_path), integrity.hash_files(str(tmp_path), names, block_bytes=16))
+
+
+def test_at_the_world_size_of_the_save_each_rank_checks_the_files_it_wrote(tmp_path):
+    _two_writers(tmp_path)
+    _flip_byte(str(tmp_path / "__1_0.distcp"), 20)  # block 4 of 6 over all files: rank 0's one by one, 1's by writer
+    found = [integrity._problems(str(tmp_path), rank, 2, deep=True) for rank in range(2)]
+    assert found == [[], ["file __1_0.distcp fails its sha256 checksum"]]
+
+
+def test_at_another_world_size_the_ranks_share_the_blocks_one_by_one(tmp_path):
+    _two_writers(tmp_path)
+    _flip_byte(str(tmp_path / "__1_0.distcp"), 0)  # block 3 of 6 over all files: rank 0 of 3
+    found = [integrity._problems(str(tmp_path), rank, 3, deep=True) for rank in range(3)]
+    assert found == [["file __1_0.distcp fails its sha256 checksum"], [], []]

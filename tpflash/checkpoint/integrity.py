@@ -10,7 +10,8 @@ Save: each rank hashes the files it writes (`__<rank>_*.distcp`) as DCP writes t
 (shard_files.ShardFileSystem: each block is hashed just before it is written; no second read),
 rank 0 gathers those, hashes the rest (DCP's `.metadata`, ...), checks that DCP's metadata only
 points into listed files, and writes the manifest last. Load: every rank checks that each listed
-file exists with its size and hashes its share of all the blocks (block i on rank i % world); one
+file exists with its size and hashes its share of all the blocks (at the world size of the save, the
+files each rank wrote, which it then loads; else block i on rank i % world: `_checker`); one
 all_gather of the problems found makes every rank raise the same `CheckpointCorruptError`, naming
 the file, instead of some ranks hanging in a collective the others never reach. Manifests that
 hold one sha256 per file (`"sha256"`, an earlier format) are still verified.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -29,6 +31,7 @@ FileHashes = Dict[str, Dict[str, object]]  # name -> {"bytes": int, "block_bytes
 BLOCK_BYTES = 16 << 20  # a 24 GB shard file: 1,500 digests (100 KB of manifest)
 HASH_THREADS = 4  # blocks read back and hashed side by side, per process
 _READ = 1 << 22  # read size of a whole-file digest (earlier manifests)
+_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # DCP's shard file of the rank in the name
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -113,6 +116,15 @@ def write_manifest(directory: str, entries: FileHashes, info: Optional[dict] = N
     os.replace(path + ".tmp", path)
 
 
+def _checker(name: str, index: int, world: int, by_writer: bool) -> int:
+    """The rank that hashes block `index` (counted over all files) of file `name` at load. Where the
+    checkpoint is loaded at the world size it was saved at, a shard file's blocks go to the rank that
+    wrote it: that rank then loads the same file (at the layout it was saved in), and reads it again
+    from its own node's page cache instead of the filesystem. Otherwise block by block, round-robin."""
+    found = _SHARD_FILE.match(name) if by_writer else None
+    return int(found.group(1)) if found else index % world
+
+
 def _problems(directory: str, rank: int, world: int, deep: bool) -> List[str]:
     """What is wrong with the files this rank checks (sizes: all files; sha256: its share of the blocks,
     or of the whole files of an earlier manifest)."""
@@ -139,7 +151,9 @@ def _problems(directory: str, rank: int, world: int, deep: bool) -> List[str]:
             whole.append((name, path, entry["sha256"]))
     if not deep:
         return problems
-    mine = blocks[rank::world]
+    writers = {int(found.group(1)) for found in map(_SHARD_FILE.match, files) if found}
+    by_writer = sorted(writers) == list(range(world))  # loaded at the world size it was saved at
+    mine = [b for i, b in enumerate(blocks) if _checker(b[0], i, world, by_writer) == rank]
     failed = {name for (name, _, want), got in zip(mine, _hash_jobs([job for _, job, _ in mine])) if got != want}
     failed |= {name for name, path, want in whole[rank::world] if file_sha256(path) != want}
     return problems + [f"file {name} fails its sha256 checksum" for name in sorted(failed)]
