@@ -119,8 +119,8 @@ def write_manifest(directory: str, entries: FileHashes, info: Optional[dict] = N
 def _checker(name: str, index: int, world: int, by_writer: bool) -> int:
     """The rank that hashes block `index` (counted over all files) of file `name` at load. Where the
     checkpoint is loaded at the world size it was saved at, a shard file's blocks go to the rank that
-    wrote it: that rank then loads the same file (at the layout it was saved in), and reads it again
-    from its own node's page cache instead of the filesystem. Otherwise block by block, round-robin."""
+    wrote it: at the same layout the file holds that rank's own shards of the state, so the load reads
+    them again from its own node's page cache, not the filesystem. Otherwise block by block, round-robin."""
     found = _SHARD_FILE.match(name) if by_writer else None
     return int(found.group(1)) if found else index % world
 
