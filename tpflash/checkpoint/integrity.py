@@ -82,10 +82,15 @@ def hash_files(directory: str, names: List[str], known: Optional[Dict[str, List[
     return out
 
 
+def _writer(name: str) -> Optional[int]:
+    """The rank that wrote a DCP shard file (`__<rank>_<i>.distcp`), None for any other file."""
+    found = _SHARD_FILE.match(name)
+    return int(found.group(1)) if found else None
+
+
 def own_files(directory: str, rank: int) -> List[str]:
     """The shard files DCP's FileSystemWriter wrote for `rank`."""
-    prefix = f"__{rank}_"
-    return sorted(n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".distcp"))
+    return sorted(n for n in os.listdir(directory) if _writer(n) == rank)
 
 
 def complete_manifest(directory: str, gathered: List[FileHashes]) -> FileHashes:
@@ -121,8 +126,8 @@ def _checker(name: str, index: int, world: int, by_writer: bool) -> int:
     checkpoint is loaded at the world size it was saved at, a shard file's blocks go to the rank that
     wrote it: at the same layout the file holds that rank's own shards of the state, so the load reads
     them again from its own node's page cache, not the filesystem. Otherwise block by block, round-robin."""
-    found = _SHARD_FILE.match(name) if by_writer else None
-    return int(found.group(1)) if found else index % world
+    writer = _writer(name) if by_writer else None
+    return writer if writer is not None else index % world
 
 
 def _problems(directory: str, rank: int, world: int, deep: bool) -> List[str]:
@@ -151,7 +156,7 @@ def _problems(directory: str, rank: int, world: int, deep: bool) -> List[str]:
             whole.append((name, path, entry["sha256"]))
     if not deep:
         return problems
-    writers = {int(found.group(1)) for found in map(_SHARD_FILE.match, files) if found}
+    writers = {_writer(name) for name in files} - {None}
     by_writer = sorted(writers) == list(range(world))  # loaded at the world size it was saved at
     mine = [b for i, b in enumerate(blocks) if _checker(b[0], i, world, by_writer) == rank]
     failed = {name for (name, _, want), got in zip(mine, _hash_jobs([job for _, job, _ in mine])) if got != want}
