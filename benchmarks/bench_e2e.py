@@ -99,6 +99,8 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
                         sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss, fp8=FP8.get(impl, "off"),
                         activation_checkpointing=_checkpointing(args), **family)
         model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
+        on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
+        overlap.set_overlap(model, on)  # None: the library's default (eager serial; a capture decides)
         if ps.dp_size > 1 and args.dp_mode == "fsdp":  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction)
             tpflash.parallel.apply_fsdp(model, ps)
         if ps.dp_size > 1 and args.dp_mode == "zero1":  # AdamW state sharded over dp; before the capture, as the trainer
@@ -106,15 +108,13 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         if ps.dp_size > 1 and args.dp_mode == "zero3":  # blocks sharded into static slots, the rest FSDP2 (bf16 gathers)
             model.zero3 = tpflash.parallel.shard_blocks(model, ps, compute_dtype=torch.bfloat16 if args.dtype == "bf16"
                                                         else None)
-        on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
         if impl.startswith("tpflash-graphs") or impl in FP8:  # the replays overlap (or not) as captured
             # zero1: the graphs also carry the blocks' dp reduce-scatters and all-gathers, as the trainer's with
             # one micro-batch per step (--zero1-in-graphs off: reduced and gathered after them)
             sync = getattr(model, "zero1", None)
             sync = sync.sync_in_graphs(model.blocks) if sync is not None and args.zero1_in_graphs == "on" else None
             zero3 = getattr(model, "zero3", None)
-            with _overlap_setting(on), torch.autocast(ps.device.type, dtype=torch.bfloat16,
-                                                          enabled=args.dtype == "bf16"):
+            with torch.autocast(ps.device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
                 if zero3 is not None:  # its gathers and reductions are captured too
                     zero3.capture_cuda_graphs(model, args.batch, args.seq)
                 else:
@@ -124,7 +124,7 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         forward = model
         if ps.dp_size > 1 and args.dp_mode == "replicate":  # after the capture, as the trainer does
             forward = tpflash.parallel.replicate_over_dp(model, ps)
-        return model, lambda idx, tgt: _with_overlap(on, forward, idx, tgt), contextlib.nullcontext
+        return model, forward, contextlib.nullcontext
     with torch.device(ps.device):
         model = (PlainLlama(d, layers, heads, args.vocab, args.seq, shape["kv_heads"], shape["ffn"]) if llama
                  else PlainGPT(d, layers, heads, args.vocab, args.seq))
@@ -141,15 +141,6 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         ddp = nn.parallel.DistributedDataParallel(model, process_group=ps.dp_group, gradient_as_bucket_view=True)
         return model, ddp, model.step_context
     return model, model, model.step_context
-
-
-def _overlap_setting(on: Optional[bool]):
-    return contextlib.nullcontext() if on is None else overlap.overlap_comm(on)
-
-
-def _with_overlap(on: Optional[bool], model, idx, targets):
-    with _overlap_setting(on):
-        return model(idx, targets)
 
 
 def make_optimizer(model: nn.Module, device: torch.device, fused: bool = True, local_shards: bool = False):

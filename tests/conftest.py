@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import PoolCache
+from tests.distributed.checks import reread_environment
 
 
 def pytest_configure(config):
@@ -41,3 +42,12 @@ def _test_rank_backend(request, ranks):
         ranks.backend = "gloo"
     yield
     ranks.backend = saved
+
+
+@pytest.fixture(autouse=True)
+def _environment_read_afresh():
+    """The settings tpflash reads from the environment once per process (TPFLASH_KERNELS,
+    TPFLASH_COMM_BACKEND) re-read for each test, and after it (a test may set them with monkeypatch)."""
+    reread_environment()
+    yield
+    reread_environment()

@@ -1,23 +1,25 @@
-"""When the overlapped path runs: the switch, its environment variables and the decision a CUDA graph
-capture makes once (one process)."""
+"""When the overlapped path runs: the layers' flags, the environment's default and the decision a CUDA
+graph capture makes once and hands to the captured layers (one process)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tpflash.layers import RowParallelLinear
+from tpflash.layers import ParallelTransformerBlock, RowParallelLinear
 from tpflash.layers.linear import _overlapped, _pipelined
+from tpflash.models import GPT, GPTConfig
 from tpflash.parallel import overlap, peer_collectives
+
+TP2 = type("Group", (), {"size": lambda self: 2})()
 
 
 @pytest.fixture
-def settings(monkeypatch):
-    """overlap's settings as if TPFLASH_OVERLAP had been unset at import."""
-    monkeypatch.setattr(overlap, "_settings", [None])
-    return overlap._settings
+def unset(monkeypatch):
+    """overlap as if TPFLASH_OVERLAP had been unset at import."""
+    monkeypatch.setattr(overlap, "ENVIRONMENT_SETTING", None)
 
 
-def test_switch_is_off_by_default(settings):
-    assert not overlap.overlap_enabled()
+def test_overlap_is_off_by_default(unset):
+    assert not overlap.layer_overlaps(None)
     assert not _pipelined(RowParallelLinear(16, 24, sequence_parallel=True))  # tp=1 never overlaps
 
 
@@ -28,45 +30,64 @@ def test_the_environment_sets_the_default(monkeypatch, value, expected):
     assert overlap._env_setting() is expected
 
 
-def test_the_context_wins_over_the_environment_and_the_layer_flag_over_both(settings):
-    settings[0] = False  # TPFLASH_OVERLAP=0
-    group = type("Group", (), {"size": lambda self: 2})()
-    assert not _overlapped(True, 0, group, None)
-    with overlap.overlap_comm(True):
-        assert overlap.overlap_enabled() and _overlapped(True, 0, group, None)
-        assert not _overlapped(True, 0, group, False), "a layer's own flag wins"
-        assert not _overlapped(False, 0, group, True), "nothing to overlap without sequence parallelism"
-        assert not _overlapped(True, 1, group, True), "only sequence-first activations"
-        with overlap.overlap_comm(False):
-            assert not overlap.overlap_enabled()
-    assert not overlap.overlap_enabled()
+def test_a_layers_own_flag_wins_over_the_environment(monkeypatch):
+    monkeypatch.setattr(overlap, "ENVIRONMENT_SETTING", True)  # TPFLASH_OVERLAP=1
+    assert _overlapped(True, 0, TP2, None)
+    assert not _overlapped(True, 0, TP2, False), "a layer's own flag wins"
+    monkeypatch.setattr(overlap, "ENVIRONMENT_SETTING", False)
+    assert _overlapped(True, 0, TP2, True)
+    assert not _overlapped(False, 0, TP2, True), "nothing to overlap without sequence parallelism"
+    assert not _overlapped(True, 1, TP2, True), "only sequence-first activations"
+
+
+def test_set_overlap_sets_every_flag_of_a_model_the_head_included():
+    model = GPT(GPTConfig.preset("gpt2-tiny", vocab_size=64, block_size=8, n_layer=2, n_embd=32, n_head=4))
+    overlap.set_overlap(model, True)
+    flags = [m for m in model.modules() if "overlap" in vars(m)]
+    kinds = {type(m).__name__ for m in flags}
+    assert {"ColumnParallelLinear", "RowParallelLinear", "GPT"} <= kinds
+    assert all(m.overlap is True for m in flags)
+    overlap.set_overlap(model, None)
+    assert all(m.overlap is None for m in flags)
 
 
 @pytest.mark.parametrize("setting,comm_backend,reach,expected", [
     (None, "auto", True, True),      # captured, the copy engines reach the group: overlapped
     (None, "auto", False, False),    # GPUs that cannot map each other's memory: serial
     (None, "nccl", True, False),     # NCCL asked for: serial
-    (False, "auto", True, False),    # asked off
-    (True, "auto", False, True),     # asked on: overlapped (over the group's collectives)
+    (False, "auto", True, False),    # TPFLASH_OVERLAP=0
+    (True, "auto", False, True),     # TPFLASH_OVERLAP=1: overlapped (over the group's collectives)
 ])
-def test_a_capture_decides_once_from_the_setting_then_the_copy_engines(monkeypatch, settings, setting,
-                                                                       comm_backend, reach, expected):
-    settings[0] = setting
-    monkeypatch.setenv("TPFLASH_COMM_BACKEND", comm_backend)
+def test_a_capture_decides_once_from_the_environment_then_the_copy_engines(monkeypatch, setting, comm_backend,
+                                                                           reach, expected):
+    monkeypatch.setattr(overlap, "ENVIRONMENT_SETTING", setting)
+    monkeypatch.setattr(peer_collectives, "comm_backend", lambda: comm_backend)
     asked = []
     monkeypatch.setattr(peer_collectives, "reachable", lambda x, group: asked.append(1) or reach)
-    group = type("Group", (), {"size": lambda self: 2})()
-    assert not overlap.overlap_enabled() or setting
-    with overlap.for_graph_capture(torch.ones(2), group) as decision:
-        assert decision is expected and overlap.overlap_enabled() is expected
-        assert peer_collectives.capturing_for_graphs()
-        for _ in range(3):
-            _overlapped(True, 0, group, None)
-    assert len(asked) <= 1, "the copy engines' reach was asked more than once per capture"
-    assert overlap.overlap_enabled() is bool(setting) and not peer_collectives.capturing_for_graphs()
+    assert overlap.capture_decision(torch.ones(2), TP2) is expected
+    assert len(asked) <= 1, "the copy engines' reach was asked more than once"
 
 
-def test_no_default_overlap_at_tp1(settings):
+def test_a_capture_hands_its_decision_to_the_layers_left_to_the_default_and_takes_it_back():
+    block = ParallelTransformerBlock(32, 4, 2, mlp="swiglu", norm="rmsnorm", position="rotary", sequence_parallel=True)
+    block.mlp.down_proj.overlap = False  # a layer's own flag: kept through the capture
+    defaulted = [m for m in block.modules() if "overlap" in vars(m) and m.overlap is None]
+    assert defaulted
+    with overlap.overlapping_for_capture([block], True) as overlapped:
+        assert overlapped and peer_collectives.capturing_for_graphs()
+        assert all(m.overlap is True for m in defaulted) and block.mlp.down_proj.overlap is False
+    assert all(m.overlap is None for m in defaulted) and block.mlp.down_proj.overlap is False
+    assert not peer_collectives.capturing_for_graphs()
+
+
+def test_a_capture_says_it_did_not_overlap_when_every_layer_is_off():
+    block = ParallelTransformerBlock(32, 4, 2, mlp="swiglu", norm="rmsnorm", position="rotary", sequence_parallel=True)
+    overlap.set_overlap(block, False)
+    with overlap.overlapping_for_capture([block], True) as overlapped:
+        assert not overlapped
+
+
+def test_no_default_overlap_at_tp1(unset):
     group = type("Group", (), {"size": lambda self: 1})()
     assert overlap.capture_decision(torch.ones(2), group) is False
 

@@ -1,6 +1,9 @@
 """Helpers shared by the distributed test bodies: devices, dtypes and tolerances."""
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -44,3 +47,28 @@ def same_on_all_ranks(seed: int = 0) -> None:
 def broadcast_(t: torch.Tensor, group=None) -> torch.Tensor:
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return t
+
+
+def reread_environment() -> None:
+    """Forget the settings tpflash read from the environment once (TPFLASH_KERNELS, TPFLASH_COMM_BACKEND)."""
+    from tpflash.kernels import dispatch
+    from tpflash.parallel import peer_collectives
+    dispatch.environment_backend.cache_clear()
+    peer_collectives.comm_backend.cache_clear()
+
+
+@contextlib.contextmanager
+def environment(**settings):
+    """This process's environment with `settings`, restored afterwards (rank processes are reused), and
+    read afresh by tpflash on entry and exit."""
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    reread_environment()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key)
+            if value is not None:
+                os.environ[key] = value
+        reread_environment()

@@ -2,13 +2,11 @@
 GPT run eagerly: losses and gradients over AdamW steps, with and without sequence parallelism, at
 tp 2 and 4, gradient accumulation included. On CPU the graphs are the eager stand-in (every line
 of the replay plumbing runs under gloo); the gpu tests capture real CUDA graphs (NCCL inside)."""
-import contextlib
-import os
 
 import pytest
 import torch
 
-from tests.distributed.checks import assert_close, init_tp
+from tests.distributed.checks import assert_close, environment, init_tp
 from tests.models.reference import assert_grad_close
 from tpflash.models import GPT, GPTConfig
 from tpflash.parallel import comm, overlap, peer_collectives
@@ -42,20 +40,6 @@ def amp(device):
     return torch.autocast("cpu", enabled=False)
 
 
-@contextlib.contextmanager
-def _environment(**settings):
-    """This rank process's environment with `settings`, restored afterwards (rank processes are reused)."""
-    saved = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key)
-            if value is not None:
-                os.environ[key] = value
-
-
 def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, comm_backend="auto",
                checkpointing=False):
     """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager (both with
@@ -74,8 +58,8 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
 
     peer_collectives.PeerAllGather = Counted
     try:
-        setting = contextlib.nullcontext() if overlap_on is None else overlap.overlap_comm(overlap_on)
-        with _environment(TPFLASH_COMM_BACKEND=comm_backend), setting:
+        overlap.set_overlap(graphed, overlap_on)  # None: the capture decides
+        with environment(TPFLASH_COMM_BACKEND=comm_backend):
             _train(graphed, eager, device, steps, micro_batches)
     finally:
         peer_collectives.PeerAllGather = real

@@ -45,12 +45,12 @@ def column_on_off_body(tp, save_gathered_input):
                                  device=ps.device, dtype=dtype)
     x_local = _randn(ps, dtype, SEQ, BATCH, IN)[_rows(ps, tp)]
     grad_y = _randn(ps, dtype, SEQ, BATCH, OUT // tp, seed=ps.tp_rank)
-    with overlap.overlap_comm(True):
-        assert _pipelined(layer), "the overlapped path is not taken"
-        on = _run(layer, x_local, grad_y)
+    overlap.set_overlap(layer, True)
+    assert _pipelined(layer), "the overlapped path is not taken"
+    on = _run(layer, x_local, grad_y)
     layer.zero_grad()
-    with overlap.overlap_comm(False):
-        off = _run(layer, x_local, grad_y)
+    overlap.set_overlap(layer, False)
+    off = _run(layer, x_local, grad_y)
     _same(on, off, f"column tp={tp}")
 
 
@@ -61,13 +61,13 @@ def row_on_off_body(tp):
     layer = RowParallelLinear(IN, OUT, sequence_parallel=True, device=ps.device, dtype=dtype)
     h_local = _randn(ps, dtype, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
     grad_y = _randn(ps, dtype, SEQ // tp, BATCH, OUT, seed=20 + ps.tp_rank)
-    with overlap.overlap_comm(True):
-        assert _pipelined(layer), "the overlapped path is not taken"
-        on = _run(layer, h_local, grad_y)
-        layer.zero_grad()
-        layer.overlap = False  # the per-layer flag wins over the global setting
-        assert not _pipelined(layer)
-        off = _run(layer, h_local, grad_y)
+    layer.overlap = True
+    assert _pipelined(layer), "the overlapped path is not taken"
+    on = _run(layer, h_local, grad_y)
+    layer.zero_grad()
+    layer.overlap = False
+    assert not _pipelined(layer)
+    off = _run(layer, h_local, grad_y)
     _same(on, off, f"row tp={tp}")
 
 
@@ -132,7 +132,8 @@ def autocast_body(tp):
     results = []
     for on in (True, False):
         mlp.zero_grad()
-        with overlap.overlap_comm(on), torch.autocast(ps.device.type, dtype=torch.bfloat16):
+        overlap.set_overlap(mlp, on)
+        with torch.autocast(ps.device.type, dtype=torch.bfloat16):
             assert mlp[0](x_local).dtype == torch.bfloat16, f"column output not bf16 (overlap={on})"
             y = mlp(x_local.clone().requires_grad_())
         y.float().square().sum().backward()
@@ -215,10 +216,17 @@ def block_on_off_body(tp, mlp, n_kv_head):
         block.zero_grad()
         return (out + residual).detach(), x.grad, grads
 
-    with overlap.overlap_comm(False):
-        plain = run()
-    with overlap.overlap_comm(True):
-        _same(run(), plain, f"block mlp={mlp} n_kv_head={n_kv_head}")
+    overlap.set_overlap(block, False)
+    plain = run()
+    overlap.set_overlap(block, True)
+    gathers, real = [], overlap.all_gather_linear  # the column GEMM groups that took the overlapped path
+    overlap.all_gather_linear = lambda *args, **kw: gathers.append(1) or real(*args, **kw)
+    try:
+        overlapped = run()
+    finally:
+        overlap.all_gather_linear = real
+    assert len(gathers) == 2, f"q/k/v and up/gate should each take one overlapped gather, took {len(gathers)}"
+    _same(overlapped, plain, f"block mlp={mlp} n_kv_head={n_kv_head}")
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.distributed.checks import assert_close, init_tp
+from tests.distributed.checks import assert_close, environment, init_tp
 from tests.distributed.test_comm import gather_along_seq_body, reduce_scatter_along_seq_body
 from tpflash.parallel import comm
 
@@ -15,7 +15,6 @@ def copy_engine_body(tp):
     """TPFLASH_COMM_BACKEND=copy_engine (peer memory) gives NCCL's results: all-gather bit for bit,
     reduce-scatter too at tp=2 (one bf16 add either way), along dim 0 and 1, at sizes that are no
     multiple of the buffer alignment, and in a long alternating sequence (the double buffer)."""
-    import os
     from tpflash.parallel import peer_collectives
     ps = init_tp(tp)
     assert ps.device.type == "cuda", "needs one GPU per rank"
@@ -25,13 +24,10 @@ def copy_engine_body(tp):
         for shape in cases:
             full = torch.randn(*shape, device=ps.device, dtype=torch.bfloat16)
             shard = full[: shape[0] // tp] + step
-            os.environ["TPFLASH_COMM_BACKEND"] = "copy_engine"
-            try:
+            with environment(TPFLASH_COMM_BACKEND="copy_engine"):
                 assert peer_collectives.available(shard, ps.tp_group)
                 got = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
                        comm.all_gather(full, 1, ps.tp_group)]
-            finally:
-                del os.environ["TPFLASH_COMM_BACKEND"]
             want = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
                     comm.all_gather(full, 1, ps.tp_group)]
             assert torch.equal(got[0], want[0]), f"all-gather {shape}"
@@ -85,13 +81,9 @@ def test_peer_access_needs_one_host_distinct_devices_and_cuda_peer_access():
 
 def copy_engine_on_cpu_body(tp):
     """On CPU (gloo) the copy_engine setting is not available and the group's collectives serve."""
-    import os
-    os.environ["TPFLASH_COMM_BACKEND"] = "copy_engine"
-    try:
+    with environment(TPFLASH_COMM_BACKEND="copy_engine"):
         gather_along_seq_body(tp, 0)
         reduce_scatter_along_seq_body(tp, 0)
-    finally:
-        del os.environ["TPFLASH_COMM_BACKEND"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

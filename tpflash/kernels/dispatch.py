@@ -3,7 +3,7 @@
 "auto" (the default) runs Triton when the tensors are on CUDA and the reference otherwise.
 Triton is imported only when a kernel runs: CPU installs need no Triton (CUDA builds of torch
 bring it), and a CUDA machine without it runs the references.
-`TPFLASH_KERNELS=auto|triton|reference` sets the process-wide choice; `use_backend(name)`
+`TPFLASH_KERNELS=auto|triton|reference` sets the process-wide choice (read once); `use_backend(name)`
 overrides it inside a `with` block (tests force "triton" on CPU under TRITON_INTERPRET=1), for
 every thread: autograd runs a CUDA backward on a thread of its own, which must see the same choice
 (a context variable would not reach it).
@@ -28,11 +28,16 @@ def _check(name: str, where: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=None)
+def environment_backend() -> str:
+    """$TPFLASH_KERNELS, else "auto": read once per process (every kernel call asks; a program that sets
+    the variable after the first kernel call clears this cache: `environment_backend.cache_clear()`)."""
+    return _check(os.environ.get("TPFLASH_KERNELS", "auto").strip().lower() or "auto", "TPFLASH_KERNELS")
+
+
 def requested_backend() -> str:
     """The backend asked for: the innermost `use_backend`, else $TPFLASH_KERNELS, else "auto"."""
-    if _forced is not None:
-        return _forced
-    return _check(os.environ.get("TPFLASH_KERNELS", "auto").strip().lower() or "auto", "TPFLASH_KERNELS")
+    return _forced if _forced is not None else environment_backend()
 
 
 @contextlib.contextmanager

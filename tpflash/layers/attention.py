@@ -169,7 +169,8 @@ class ParallelAttention(nn.Module):
         """x -> q, k, v as [seq, batch, heads, head_dim] (q/k normalised per head with qk_norm)."""
         (k_w, k_b), (v_w, v_b) = self.k_proj.local_weight_and_bias(), self.v_proj.local_weight_and_bias()
         q, k, v = column_parallel_linears(x, [self.q_proj.weight, k_w, v_w], [self.q_proj.bias, k_b, v_b],
-                                          self.process_group, self.sequence_parallel, fp8=self.fp8)  # [seq, b, heads*hd]
+                                          self.process_group, self.sequence_parallel, self.q_proj.overlap,
+                                          fp8=self.fp8)  # [seq, b, heads*hd]
         seq, batch = q.shape[0], q.shape[1]
         q = q.view(seq, batch, self.local_heads, self.head_dim)
         k = k.view(seq, batch, self.local_kv_heads, self.head_dim)

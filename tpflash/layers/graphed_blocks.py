@@ -16,8 +16,8 @@ What a replay assumes, checked where it can be:
   e.g. FSDP, is not), no dropout (its random stream would not advance); activation checkpointing
   ("full" or "mlp") is captured too: the forward graph keeps each checkpointed block's inputs only
   and the backward graph recomputes the rest; whether the tp collectives overlap the GEMMs is decided once, at capture
-  (tpflash.parallel.overlap.for_graph_capture), and replayed as captured: the setting if one is
-  set (TPFLASH_OVERLAP, `overlap_comm`), else overlapped through the copy engines where the GPUs
+  (tpflash.parallel.overlap.capture_decision, set on the blocks' layers for the capture), and replayed as
+  captured: a layer's own flag if set (`set_overlap`), else TPFLASH_OVERLAP if set, else overlapped through the copy engines where the GPUs
   map each other's memory (measured faster than serial collectives there: docs/overlap.md) and
   serial NCCL collectives elsewhere; serial collectives go through the copy engines where they
   can (TPFLASH_COMM_BACKEND's default, "auto"), else through NCCL. The warm-up passes size the
@@ -127,7 +127,7 @@ class GraphedBlocks:
     Calling returns (out, residual) of the last block, differentiable in x and in every block
     parameter, like the eager loop. The blocks' collectives use their own process groups; every
     rank of those groups must capture together. `overlapped`: whether the capture overlapped the
-    tp collectives with the GEMMs (tpflash.parallel.overlap.capture_decision). `dp_sync`: a
+    tp collectives with the GEMMs (the layers' flags, else tpflash.parallel.overlap.capture_decision). `dp_sync`: a
     tpflash.parallel.zero_graphs.GraphSync whose dp reduce-scatters and all-gathers the graphs
     overlap with the blocks (fsdp=zero1), or a tpflash.parallel.zero3.GraphSync (fsdp=zero3: the
     replays differentiate its gathered weights' leaves); its gradients are then written in place,
@@ -161,7 +161,8 @@ class GraphedBlocks:
         self.forward_generation = 0  # bumped by every forward replay; a backward must match it
         self.backward_generation = 0
         group = getattr(self.blocks[0], "process_group", None)
-        with overlap.for_graph_capture(sample_x, group) as overlapped:  # the path, decided once for the capture
+        decision = overlap.capture_decision(sample_x, group)  # the default path, decided once per capture
+        with overlap.overlapping_for_capture(self.blocks, decision) as overlapped:
             self.overlapped = overlapped
             self._capture(device)
         if device.type == "cuda":
@@ -242,7 +243,8 @@ class GraphedBlocks:
 
     def _warm_up(self) -> None:
         """A few eager passes on a side stream, so lazy set-up (autotuning, cuBLAS handles, NCCL
-        communicators) happens before capture rather than inside it."""
+        communicators) happens before capture rather than inside it; the memory they cached is handed
+        back to the device before the capture."""
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -253,7 +255,12 @@ class GraphedBlocks:
                     outs = self._run_blocks(self.static_x)
                 with _autocast(device_type, NO_AUTOCAST):
                     self._differentiate(outs, [torch.ones_like(o) for o in outs])
+            del outs
         torch.cuda.synchronize()
+        # The passes' activations stay cached for the side stream, which runs nothing after them, while the
+        # capture allocates its own in the graphs' pool: handed back, the stack's activations are held once
+        # (llama-1b at dp=2: 9 GiB of the 21 GiB reserved; docs/performance.md, "Activation memory").
+        torch.cuda.empty_cache()
 
     # ---- replay -----------------------------------------------------------------------------------
     def release(self) -> None:

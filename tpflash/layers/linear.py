@@ -18,8 +18,8 @@ is one contiguous collective with no copy (the layers take `seq_dim` for other l
 Under sequence parallelism (seq_dim 0, tp > 1) the all-gather / reduce-scatter can overlap the
 GEMMs, the other ranks' rows moved by the copy engines while this rank's are multiplied
 (tpflash.parallel.overlap): with `overlap=True`, or with `overlap=None` (default) where overlap is
-on (TPFLASH_OVERLAP=1, `overlap_comm(True)`, or by default in a CUDA graph capture whose GPUs map
-each other's memory: decided once per capture). Results agree either way.
+on (TPFLASH_OVERLAP=1, or by default in a CUDA graph capture whose GPUs map each other's memory:
+decided once per capture and set on the captured layers). Results agree either way.
 """
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ def _local_real_and_padding(spec: ShardSpec, rank: int, tp: int) -> tuple:
 
 def _overlapped(sequence_parallel: bool, seq_dim: int, group, overlap: Optional[bool]) -> bool:
     """Whether the overlapped path runs: SP along dim 0 over tp > 1, and overlap on (the layer's own
-    flag, else the setting of this process or capture: tpflash.parallel.overlap.overlap_enabled)."""
+    flag, else TPFLASH_OVERLAP: tpflash.parallel.overlap.layer_overlaps)."""
     if not (sequence_parallel and seq_dim == 0 and group_size(group) > 1):
         return False
-    return _overlap.overlap_enabled() if overlap is None else bool(overlap)
+    return _overlap.layer_overlaps(overlap)
 
 
 def _pipelined(layer: nn.Module) -> bool:
@@ -127,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
     (zero padding features at the end of the last rank(s) when tp does not divide out_features), or
     [*, out_features] with gather_output. Process group: `process_group`, else the default
     state's tp group, else none (tp=1, a plain nn.Linear). overlap: True/False, or None (default)
-    for the process's or capture's setting (module docstring). save_gathered_input (overlapped
+    for TPFLASH_OVERLAP's setting, or a CUDA graph capture's decision (module docstring). save_gathered_input (overlapped
     path only): keep the all-gathered input for the backward (True), or gather it again there
     (False, None; tpflash.parallel.overlap.all_gather_linear). fp8: "off", or "rowwise" /
     "tensorwise" for fp8 GEMMs (tpflash.layers.fp8_linear; no overlap pipelining).

@@ -103,7 +103,7 @@ class ParallelMLP(nn.Module):
         if self.gate_proj is None:
             up_bias = self.up_proj.bias
             y = column_parallel_linears(x, [self.up_proj.weight], [None], self.process_group,
-                                        self.sequence_parallel, fp8=self.fp8)[0]  # [seq, b, ffn/tp], bias not yet added
+                                        self.sequence_parallel, self.up_proj.overlap, fp8=self.fp8)[0]  # [seq, b, ffn/tp], bias not yet added
             # the bias added by the activation's kernel, whose backward sums its gradient while writing dy
             activation = partial(ACTIVATIONS[self.mlp], y) if up_bias is None else \
                 partial(kernels.bias_activation, y, up_bias, self.mlp)
@@ -115,7 +115,8 @@ class ParallelMLP(nn.Module):
             amaxes = [torch.empty((), device=x.device, dtype=torch.float32) for _ in range(2)] \
                 if self.fp8 == "tensorwise" and torch.is_grad_enabled() else None
             up, gate = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
-                                               self.process_group, self.sequence_parallel, fp8=self.fp8,
+                                               self.process_group, self.sequence_parallel, self.up_proj.overlap,
+                                               fp8=self.fp8,
                                                fp8_amaxes=Fp8Amaxes(grad=amaxes[1]) if amaxes else None)  # [seq, b, ffn/tp] each
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
             activation = partial(kernels.swiglu, up, gate)

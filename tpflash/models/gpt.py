@@ -66,6 +66,7 @@ class GPT(nn.Module):
         tp, rank = group_size(self.process_group), group_rank(self.process_group)
         config.check_tp(tp)  # before anything could communicate
         self.sequence_parallel = config.sequence_parallel
+        self.overlap: Optional[bool] = None  # the head's GEMM under SP, as a ColumnParallelLinear's flag
         state = get_default_state()
         dp_rank = state.dp_rank if state is not None and state.tp_group is self.process_group else 0
         if self.cp_group is not None:  # cp ranks hold different tokens: their dropout masks must differ too
@@ -186,9 +187,9 @@ class GPT(nn.Module):
         replay them instead of launching every kernel and collective from Python; other calls
         (eval, no_grad, other shapes) run eagerly. Every tp rank must call it, after loading
         weights. Needs dropout=0 and no FSDP; activation checkpointing is captured too (the backward
-        graph recomputes what the forward graph did not keep). The overlap setting active
-        here is captured (by default: the copy-engine overlap where the GPUs map each other's memory,
-        docs/overlap.md). Run one backward per forward. On CPU the replay is an eager stand-in (tests). Call again to recapture; `release_cuda_graphs()` frees them.
+        graph recomputes what the forward graph did not keep). The blocks' overlap flags are captured
+        as they are (`tpflash.parallel.overlap.set_overlap`); left at None, the capture decides
+        (by default: the copy-engine overlap where the GPUs map each other's memory, docs/overlap.md). Run one backward per forward. On CPU the replay is an eager stand-in (tests). Call again to recapture; `release_cuda_graphs()` frees them.
         `dp_sync`: a tpflash.parallel.zero_graphs.GraphSync for these blocks (fsdp=zero1), whose
         gradient reduce-scatters and weight all-gathers the graphs then overlap with the blocks, or
         a tpflash.parallel.zero3.GraphSync (fsdp=zero3, ShardedBlocks.graph_sync()).
@@ -216,7 +217,8 @@ class GPT(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[seq(/tp), batch, hidden] -> [seq, batch, V'/tp] (padding columns left as computed)."""
-        return column_parallel_linears(h, [self.head_weight], [None], self.process_group, self.sequence_parallel)[0]
+        return column_parallel_linears(h, [self.head_weight], [None], self.process_group, self.sequence_parallel,
+                                       self.overlap)[0]
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         local = logits.shape[-1]

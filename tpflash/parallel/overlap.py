@@ -26,12 +26,13 @@ cannot map each other's memory (CPU, gloo, GPUs of several hosts, TPFLASH_COMM_B
 same Functions run over the group's own collectives with nothing overlapped: that is what the CPU
 tests run; the copy engines are tested on 2 GPUs.
 
-When the overlapped path runs (tpflash.layers.linear asks `overlap_enabled()` for layers built
-with overlap=None; a layer's own overlap=True/False wins):
-  * TPFLASH_OVERLAP=1 / 0, read once at import, or `with overlap_comm(True / False):`;
+When the overlapped path runs, decided where the layers are built or captured, never per call:
+  * a layer's own `overlap=True/False` (`set_overlap(model, enabled)` sets it for a whole model);
+  * for layers with overlap=None (the default): TPFLASH_OVERLAP=1 / 0, read once at import;
   * with neither, the default: on for the work a CUDA graph captures (GraphedBlocks decides once
-    per capture, `for_graph_capture`) where the copy engines reach the tp group, the setup where
-    it was measured faster than serial collectives; off everywhere else.
+    per capture, `capture_decision`, and hands the decision to the blocks' layers for the capture:
+    `overlapping_for_capture`) where the copy engines reach the tp group, the setup where it was
+    measured faster than serial collectives; off everywhere else.
 Results are the same either way up to the order of floating-point sums. Process group: the tp
 group passed in.
 """
@@ -43,6 +44,7 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from ..kernels import column_sum, concat_with_column_sum
 from ..kernels.column_sum import concat_rows
@@ -67,25 +69,26 @@ def _env_setting() -> Optional[bool]:
     return (env in ("1", "true", "on", "yes")) if env else None
 
 
-# The overlap setting, innermost last: the environment's at the bottom (None: unset), then those of
-# open `overlap_comm` and `for_graph_capture` blocks.
-_settings: List[Optional[bool]] = [_env_setting()]
+ENVIRONMENT_SETTING: Optional[bool] = _env_setting()  # TPFLASH_OVERLAP at import: None when unset
 
 
-def overlap_enabled() -> bool:
-    """Whether layers built with overlap=None take the overlapped path now (one look-up per call)."""
-    return bool(_settings[-1])
+def layer_overlaps(overlap: Optional[bool]) -> bool:
+    """Whether a layer whose overlap flag is `overlap` takes the overlapped path: its flag, else the
+    environment's (TPFLASH_OVERLAP), else off."""
+    return bool(ENVIRONMENT_SETTING if overlap is None else overlap)
 
 
-@contextlib.contextmanager
-def overlap_comm(enabled: bool = True):
-    """Within the block, layers built with overlap=None use (or, with False, skip) the overlapped path;
-    a CUDA graph captured inside it keeps this choice."""
-    _settings.append(bool(enabled))
-    try:
-        yield
-    finally:
-        _settings.pop()
+def _overlap_flags(module: nn.Module) -> List[nn.Module]:
+    """module and its submodules that carry an overlap flag (Column/RowParallelLinear, GPT's head)."""
+    return [m for m in module.modules() if "overlap" in vars(m) and (m.overlap is None or isinstance(m.overlap, bool))]
+
+
+def set_overlap(module: nn.Module, enabled: Optional[bool]) -> None:
+    """Set the overlap flag of every layer of `module` that has one: True / False win over TPFLASH_OVERLAP
+    and over a capture's default; None returns them to those defaults. A CUDA graph captured after it
+    keeps the choice."""
+    for m in _overlap_flags(module):
+        m.overlap = enabled
 
 
 def copy_engines_reach(x: torch.Tensor, group) -> bool:
@@ -95,28 +98,31 @@ def copy_engines_reach(x: torch.Tensor, group) -> bool:
 
 
 def capture_decision(x: torch.Tensor, group) -> bool:
-    """Whether work captured for input x over the tp group overlaps: the setting if one is set
-    (overlap_comm, TPFLASH_OVERLAP), else where the copy engines reach the group. Asks the group
+    """Whether work captured for input x over the tp group overlaps where its layers leave it to the
+    default: TPFLASH_OVERLAP if set, else where the copy engines reach the group. Asks the group
     once (peer_collectives.peer_access): every rank must call it together, outside capture."""
-    setting = _settings[-1]
-    if setting is not None:
-        return setting
+    if ENVIRONMENT_SETTING is not None:
+        return ENVIRONMENT_SETTING
     return group_size(group) > 1 and copy_engines_reach(x, group)
 
 
 @contextlib.contextmanager
-def for_graph_capture(x: torch.Tensor, group):
-    """The warm-up and capture of a CUDA graph for input x over the tp group (GraphedBlocks): overlap
-    decided once for all of it (`capture_decision`), and the serial collectives sent through the
-    copy engines where the default comm backend does so (peer_collectives.for_graph_capture).
-    Yields the decision."""
-    decision = capture_decision(x, group)
-    _settings.append(decision)
+def overlapping_for_capture(blocks: Sequence[nn.Module], decision: bool):
+    """The warm-up and capture of a CUDA graph of `blocks` (GraphedBlocks): their layers left to the
+    default (overlap=None) take `decision` (capture_decision) for the capture, and get None back
+    after it; the replays keep what was captured. Serial collectives go through the copy engines
+    where the comm backend says so for captured work (peer_collectives.for_graph_capture). Yields
+    whether any of the blocks' layers overlaps in the capture."""
+    flagged = [m for b in blocks for m in _overlap_flags(b)]
+    defaulted = [m for m in flagged if m.overlap is None]
+    for m in defaulted:
+        m.overlap = bool(decision)
     try:
         with peer_collectives.for_graph_capture():
-            yield decision
+            yield any(m.overlap for m in flagged)
     finally:
-        _settings.pop()
+        for m in defaulted:
+            m.overlap = None
 
 
 # ---- dtype handling under autocast -----------------------------------------------------------------

@@ -46,11 +46,13 @@ _for_graphs = [False]  # inside for_graph_capture()
 _peer_access: Dict[int, bool] = {}  # id(group) -> the group's agreed verdict
 
 
+@functools.lru_cache(maxsize=None)
 def comm_backend() -> str:
     """How the tp collectives move data (TPFLASH_COMM_BACKEND): "auto" (default): this module for the
     work CUDA graphs capture (`for_graph_capture`) when every GPU of the group can map its peers'
     memory, where it measured faster than NCCL, and the group's own collectives elsewhere; "nccl":
-    always the group's collectives (any backend); "copy_engine": this module for every CUDA group."""
+    always the group's collectives (any backend); "copy_engine": this module for every CUDA group.
+    Read once per process (every collective asks): `comm_backend.cache_clear()` re-reads it."""
     backend = os.environ.get(_ENV, "auto").strip().lower()
     if backend not in BACKENDS:
         raise ValueError(f"{_ENV}={backend!r} must be one of {BACKENDS}")
