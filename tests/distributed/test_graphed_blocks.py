@@ -266,3 +266,35 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_pa
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     ranks(2).run(train_body, 2, sequence_parallel, 3, 2, overlap_on, comm_backend)
+
+
+def _reserved_after_capture(model, hand_back: bool) -> int:
+    """The allocator's reserved bytes once `model` is captured; hand_back False keeps torch.cuda.empty_cache
+    from running (the warm-up passes' cached memory then stays)."""
+    real = torch.cuda.empty_cache
+    real()
+    if not hand_back:
+        torch.cuda.empty_cache = lambda: None
+    try:
+        with amp(torch.device("cuda")):
+            model.capture_cuda_graphs(8, 512)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_reserved()
+    finally:
+        torch.cuda.empty_cache = real
+        model.release_cuda_graphs()
+        real()
+
+
+@pytest.mark.gpu
+def test_the_warm_up_passes_hand_their_memory_back_before_the_capture():
+    """The capture holds the stack's activations in the graphs' pool; the eager warm-up passes before it
+    allocated as much again on a side stream that runs nothing later: that cache is released, so the
+    stack's activations are reserved once, not twice. (No CPU twin: no warm-up runs on CPU.)"""
+    cfg = GPTConfig.preset("gpt2-tiny", vocab_size=VOCAB, block_size=512, n_layer=4, n_embd=1024, n_head=8,
+                           ffn_hidden=4096)
+    model = GPT(cfg, device="cuda")
+    kept = _reserved_after_capture(model, hand_back=False)
+    handed_back = _reserved_after_capture(model, hand_back=True)
+    activations = 4 * 8 * 512 * 1024 * 2 * 8  # 4 blocks of [4096 tokens, 1024] bf16, ~8 such tensors each
+    assert kept - handed_back > activations / 2, (kept, handed_back)
