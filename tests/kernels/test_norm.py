@@ -167,3 +167,18 @@ def test_norm_writes_a_bf16_x_gradient_as_the_rounded_residual_gradient(rms):
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 def test_norm_writes_a_bf16_x_gradient_as_the_rounded_residual_gradient_on_gpu(rms):
     _low_dx_check(rms, (4, 512, 4096), DEVICE)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_the_fused_add_normalises_the_residual_it_returns(backend, rms):
+    """norm(x, residual) is norm of the new residual as stored (bf16 here), bit for bit: what its backward
+    differentiates, what a recomputation from the residual stream gives, and, where the residual is
+    rounded as PyTorch rounds, what the unfused `norm(x + residual)` in bf16 computes."""
+    x, w, b, r = _inputs((4, 3, 64), torch.bfloat16, residual=True, bias=not rms)
+    norm = (lambda x, r=None: rms_norm(x, w, residual=r)) if rms else (lambda x, r=None: layer_norm(x, w, b, residual=r))
+    with use_backend(backend):
+        y, new_residual = norm(x, r)
+        assert torch.equal(y, norm(new_residual))
+    if backend == "reference":  # (Triton's CPU interpreter rounds fp32 to bf16 its own way)
+        assert torch.equal(new_residual, x + r)

@@ -30,9 +30,11 @@ def _norm_fwd_kernel(X, RES, W, B, Y, RES_OUT, MEAN, RSTD, n, eps, BLOCK: tl.con
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     h = tl.load(X + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
+    if HAS_RESIDUAL:  # the sum is normalised as stored (rounded to the residual's dtype), as the backward sees it
         h += tl.load(RES + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(RES_OUT + row * n + cols, h.to(RES_OUT.dtype.element_ty), mask=mask)
+        h = h.to(RES_OUT.dtype.element_ty)
+        tl.store(RES_OUT + row * n + cols, h, mask=mask)
+        h = h.to(tl.float32)
     if RMS:
         centred = h
     else:

@@ -55,11 +55,13 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: Optional[f
 
 
 def _norm_input(x, residual):
-    """(fp32 input of the norm, new residual or None)."""
+    """(fp32 input of the norm, new residual or None). The sum is normalised as stored, rounded to the
+    residual's dtype: the norm of the new residual, which is what its backward and a recomputation see."""
     if residual is None:
         return x.float() if x.dtype != torch.float64 else x, None
-    summed = x.double() + residual.double() if x.dtype == torch.float64 else x.float() + residual.float()
-    return summed, summed.to(residual.dtype)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    new_residual = (x.to(compute) + residual.to(compute)).to(residual.dtype)
+    return new_residual.to(compute), new_residual
 
 
 def layer_norm_reference(x, weight, bias=None, eps: float = 1e-5, residual=None):
