@@ -98,16 +98,22 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=d,
                         sequence_parallel=ps.tp_size > 1, fused_loss=fused_loss, fp8=FP8.get(impl, "off"),
                         activation_checkpointing=_checkpointing(args), **family)
-        model = GPT(cfg, process_group=ps.tp_group, device=ps.device)
+        # built on the meta device, laid out over dp, then given storage and the seed's values module by module,
+        # as the trainer does: no GPU holds the whole model (GPT.init_on_device)
+        model = GPT(cfg, process_group=ps.tp_group, device=torch.device("meta"))
         on = True if impl in OVERLAPPED else False if impl in OVERLAP_OFF else None
         overlap.set_overlap(model, on)  # None: the library's default (eager serial; a capture decides)
         if ps.dp_size > 1 and args.dp_mode == "fsdp":  # FSDP2 over dp, composed with tp (bf16 params, fp32 reduction)
             tpflash.parallel.apply_fsdp(model, ps)
-        if ps.dp_size > 1 and args.dp_mode == "zero1":  # AdamW state sharded over dp; before the capture, as the trainer
-            model.zero1 = tpflash.parallel.ShardedOptimizerState(model, ps)
         if ps.dp_size > 1 and args.dp_mode == "zero3":  # blocks sharded into static slots, the rest FSDP2 (bf16 gathers)
             model.zero3 = tpflash.parallel.shard_blocks(model, ps, compute_dtype=torch.bfloat16 if args.dtype == "bf16"
                                                         else None)
+            tpflash.parallel.materialize_outside_blocks(model, ps.device)
+        else:
+            model.to_empty(device=ps.device)
+        model.init_on_device(ps.device, seed=0)  # the values of GPT(cfg, device=...) after torch.manual_seed(0)
+        if ps.dp_size > 1 and args.dp_mode == "zero1":  # AdamW state sharded over dp; before the capture, as the trainer
+            model.zero1 = tpflash.parallel.ShardedOptimizerState(model, ps)
         if impl.startswith("tpflash-graphs") or impl in FP8:  # the replays overlap (or not) as captured
             # zero1: the graphs also carry the blocks' dp reduce-scatters and all-gathers, as the trainer's with
             # one micro-batch per step (--zero1-in-graphs off: reduced and gathered after them)

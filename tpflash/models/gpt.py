@@ -8,7 +8,7 @@ Layout through the model: ids [batch, seq] -> embeddings [seq, batch, hidden] (s
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -62,7 +62,6 @@ class GPT(nn.Module):
         self.config = config
         self.process_group = resolve_tp_group(process_group)
         self.cp_group = resolve_cp_group(cp_group)
-        layer_group = sublayer_group(self.process_group)
         tp, rank = group_size(self.process_group), group_rank(self.process_group)
         config.check_tp(tp)  # before anything could communicate
         self.sequence_parallel = config.sequence_parallel
@@ -72,34 +71,57 @@ class GPT(nn.Module):
         if self.cp_group is not None:  # cp ranks hold different tokens: their dropout masks must differ too
             dp_rank = dp_rank * self.cp + self.cp_group.rank()
         self.rng_tracker = RNGTracker(config.seed, tp_rank=rank, dp_rank=dp_rank)
+        self.cp_comm, self.build_dtype = cp_comm, dtype
+        made = dict(self._fresh_modules(device, dtype))  # registered in this order (state dict, FSDP units)
+        self.tok_embeddings, self.pos_embeddings = made["tok_embeddings"], made["pos_embeddings"]
+        self.blocks = nn.ModuleList(made[f"blocks.{i}"] for i in range(config.n_layer))
+        self.final_norm, self.lm_head = made["final_norm"], made["lm_head"]
+        self._graphed_blocks = None  # capture_cuda_graphs()
+
+    def _fresh_modules(self, device, dtype) -> Iterator[Tuple[str, Optional[nn.Module]]]:
+        """(name, module) for every module of the model, newly built and initialised, in the order their
+        initialisation draws random numbers: __init__ keeps them all; init_on_device builds them again one
+        at a time. Each holds this tp rank's part (the layers draw the whole tensor and keep their shard)."""
+        config, layer_group = self.config, sublayer_group(self.process_group)
         init, out_init = _normal(config.init_std), _normal(config.init_std / math.sqrt(2 * config.n_layer))
         kw = dict(device=device, dtype=dtype)
-        self.tok_embeddings = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=layer_group,
-                                                     sequence_parallel=self.sequence_parallel, init_method=init, **kw)
-        self.pos_embeddings = None
+        yield "tok_embeddings", VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=layer_group,
+                                                       sequence_parallel=self.sequence_parallel, init_method=init, **kw)
+        pos_embeddings = None
         if config.position == "learned":
-            self.pos_embeddings = nn.Embedding(config.block_size, config.n_embd, **kw)
-            init(self.pos_embeddings.weight)
-        self.blocks = nn.ModuleList(
-            ParallelTransformerBlock(config.n_embd, config.n_head, config.kv_heads, config.ffn_dim, mlp=config.mlp,
-                                     norm=config.norm, position=config.position, bias=config.bias,
-                                     norm_eps=config.norm_eps, rope_theta=config.rope_theta, dropout=config.dropout,
-                                     sequence_parallel=self.sequence_parallel, process_group=layer_group,
-                                     checkpoint=config.checkpoint_mode, rng_tracker=self.rng_tracker,
-                                     init_method=init, out_init_method=out_init, head_dim=config.head_size,
-                                     qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
-                                     rope_scaling=config.rope_scaling, max_positions=config.block_size,
-                                     cp_group=sublayer_group(self.cp_group), cp_comm=cp_comm, fp8=config.fp8, **kw)
-            for _ in range(config.n_layer))
-        self.final_norm = ParallelNorm(config.n_embd, config.norm, config.norm_eps,
-                                       bias=config.bias and config.norm == "layernorm",
-                                       sequence_parallel=self.sequence_parallel, process_group=layer_group,
-                                       autocast_output=True, **kw)
-        self.lm_head = None
+            pos_embeddings = nn.Embedding(config.block_size, config.n_embd, **kw)
+            init(pos_embeddings.weight)
+        yield "pos_embeddings", pos_embeddings
+        for i in range(config.n_layer):
+            yield f"blocks.{i}", ParallelTransformerBlock(
+                config.n_embd, config.n_head, config.kv_heads, config.ffn_dim, mlp=config.mlp, norm=config.norm,
+                position=config.position, bias=config.bias, norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+                dropout=config.dropout, sequence_parallel=self.sequence_parallel, process_group=layer_group,
+                checkpoint=config.checkpoint_mode, rng_tracker=self.rng_tracker, init_method=init,
+                out_init_method=out_init, head_dim=config.head_size, qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
+                rope_scaling=config.rope_scaling, max_positions=config.block_size,
+                cp_group=sublayer_group(self.cp_group), cp_comm=self.cp_comm, fp8=config.fp8, **kw)
+        yield "final_norm", ParallelNorm(config.n_embd, config.norm, config.norm_eps,
+                                         bias=config.bias and config.norm == "layernorm",
+                                         sequence_parallel=self.sequence_parallel, process_group=layer_group,
+                                         autocast_output=True, **kw)
+        lm_head = None
         if not config.tie_embeddings:  # same layout as the embedding table: rows = vocab, sharded
-            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=layer_group,
-                                                  init_method=init, **kw)
-        self._graphed_blocks = None  # capture_cuda_graphs()
+            lm_head = VocabParallelEmbedding(config.vocab_size, config.n_embd, process_group=layer_group,
+                                             init_method=init, **kw)
+        yield "lm_head", lm_head
+
+    def init_on_device(self, device, seed: int) -> None:
+        """Give this model, built on the meta device and given storage since (to_empty; sharded or not: FSDP2,
+        fsdp=zero3), the values `torch.manual_seed(seed); GPT(config, device=device)` gives it, module by
+        module: each is built whole (this tp rank's part) on `device`, this rank's shard of it copied in
+        (tpflash.parallel.sharding.copy_values), and freed, so that no rank ever holds the whole model.
+        No communication; every rank of a dp group gets its own rows of the same values."""
+        from ..parallel.sharding import copy_values
+        torch.manual_seed(seed)
+        for name, fresh in self._fresh_modules(device, self.build_dtype):
+            if fresh is not None:
+                copy_values(self.get_submodule(name), fresh)
 
     # ---- shapes -------------------------------------------------------------------------------
     @property

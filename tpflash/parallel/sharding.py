@@ -163,3 +163,21 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
                 from torch.distributed.tensor import distribute_tensor
                 piece = distribute_tensor(piece.to(target.device), target.device_mesh, target.placements)
             target.copy_(piece.to(device=target.device, dtype=target.dtype))
+
+
+def copy_values(target: nn.Module, source: nn.Module) -> None:
+    """source's parameters and buffers into target's, name by name: source holds what an unsharded-over-dp
+    target would (e.g. a module freshly built with the same arguments: this tp rank's part), target's
+    tensors may be DTensor shards over dp (FSDP2, fsdp=zero3), of which each rank takes its own rows
+    locally: every dp rank must hold the same source values. No communication."""
+    own = dict(target.named_parameters(remove_duplicate=False))
+    own.update(target.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, value in [*source.named_parameters(remove_duplicate=False), *source.named_buffers()]:
+            t = own[name]
+            if tuple(t.shape) != tuple(value.shape):
+                raise ValueError(f"{name}: source shape {tuple(value.shape)} != target shape {tuple(t.shape)}")
+            if hasattr(t, "device_mesh"):  # this rank's rows, as the DTensor lays them out
+                from torch.distributed.tensor import distribute_tensor
+                value = distribute_tensor(value.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+            t.copy_(value)

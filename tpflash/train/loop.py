@@ -112,21 +112,24 @@ class Trainer:
             self.zero.wait_for_parameters()
 
     def _build_model(self, model_cls, dp: int) -> None:
-        """The model on this rank's device: seeded init, then FSDP over dp if used. With init_from it is
-        built on the meta device, checked against the files, sharded, and only then given storage and
-        each rank's slices of the Hugging Face weights (tpflash.models.pretrained): no rank ever
-        holds the whole model."""
+        """The model on this rank's device: built on the meta device, sharded over dp if the layout says
+        so (FSDP2, zero3), and only then given storage and its values: each rank's slices of the Hugging
+        Face weights with init_from (tpflash.models.pretrained), else the seeded init module by module
+        (GPT.init_on_device: the values a whole-model build from the seed gives, on every layout). No
+        rank ever holds the whole model. A model class without init_on_device is built whole, seeded."""
         self.init_from = self.cfg.model.get("init_from") or None
-        if self.init_from:
-            from ..models import pretrained
+        on_meta = bool(self.init_from) or hasattr(model_cls, "init_on_device")
+        if on_meta:
             self.model = model_cls(self.model_config, process_group=None, device=torch.device("meta"),
                                    **build.context_parallel_kwargs(self.cfg))
-            hf_files = pretrained.HFFiles(self.init_from)
-            pretrained.check_files(self.model, hf_files)  # before the first collective: every rank raises alike
         else:
             torch.manual_seed(self.cfg.seed)  # identical on every rank: tp shards are slices of one init
             self.model = model_cls(self.model_config, process_group=None, device=self.device,
                                    **build.context_parallel_kwargs(self.cfg))
+        if self.init_from:
+            from ..models import pretrained
+            hf_files = pretrained.HFFiles(self.init_from)
+            pretrained.check_files(self.model, hf_files)  # before the first collective: every rank raises alike
         self.sharded_ids = tp_sharded_param_ids(self.model)  # before FSDP swaps parameters
         # the dp x cp ranks hold the same parameters: FSDP (or zero1) shards over them all
         local_params, memory = build.agreed_fsdp_inputs(self.model, self.ps)
@@ -142,14 +145,16 @@ class Trainer:
         if self.dp_mode == "zero3":
             self.zero3 = parallel.shard_blocks(self.model, self.ps, compute_dtype=self.amp_dtype)
             self.sharded_ids = tp_sharded_param_ids(self.model)
-        if self.init_from:
+        if on_meta:
             if self.zero3 is not None:  # the blocks' masters have their storage already
                 parallel.materialize_outside_blocks(self.model, self.device)
             else:
                 self.model.to_empty(device=self.device)
             self.sharded_ids = tp_sharded_param_ids(self.model)  # to_empty may have swapped the parameters
-            if not self.checkpoints.resume_point():  # a resumed run has trained past these weights; load fills all
-                self.checkpoints.load_hf(self.model, self.init_from, hf_files)
+            if self.init_from and not self.checkpoints.resume_point():  # a resumed run has trained past these
+                self.checkpoints.load_hf(self.model, self.init_from, hf_files)  # weights; load fills all
+            elif not self.init_from:  # the seeded values (a resume overwrites them; the draws keep the RNG's state)
+                self.model.init_on_device(self.device, self.cfg.seed)
         # zero1: the parameters move into flat buffers (same Parameter objects) before the optimizer,
         # the checkpoint load (in place) and the graph capture (which keeps their addresses)
         self.zero = parallel.ShardedOptimizerState(self.model, self.ps) if self.dp_mode == "zero1" else None
