@@ -176,7 +176,9 @@ def test_the_fused_add_normalises_the_residual_it_returns(backend, rms):
     differentiates, what a recomputation from the residual stream gives, and, where the residual is
     rounded as PyTorch rounds, what the unfused `norm(x + residual)` in bf16 computes."""
     x, w, b, r = _inputs((4, 3, 64), torch.bfloat16, residual=True, bias=not rms)
-    norm = (lambda x, r=None: rms_norm(x, w, residual=r)) if rms else (lambda x, r=None: layer_norm(x, w, b, residual=r))
+    def norm(x, r=None):
+        return rms_norm(x, w, residual=r) if rms else layer_norm(x, w, b, residual=r)
+
     with use_backend(backend):
         y, new_residual = norm(x, r)
         assert torch.equal(y, norm(new_residual))

@@ -15,11 +15,12 @@ What a replay assumes, checked where it can be:
 - parameters stay where they were (in-place optimizer updates are fine; re-materialising them,
   e.g. FSDP, is not), no dropout (its random stream would not advance); activation checkpointing
   ("full" or "mlp") is captured too: the forward graph keeps each checkpointed block's inputs only
-  and the backward graph recomputes the rest; whether the tp collectives overlap the GEMMs is decided once, at capture
-  (tpflash.parallel.overlap.capture_decision, set on the blocks' layers for the capture), and replayed as
-  captured: a layer's own flag if set (`set_overlap`), else TPFLASH_OVERLAP if set, else overlapped through the copy engines where the GPUs
-  map each other's memory (measured faster than serial collectives there: docs/overlap.md) and
-  serial NCCL collectives elsewhere; serial collectives go through the copy engines where they
+  and the backward graph recomputes the rest; whether the tp collectives overlap the GEMMs is
+  decided once, at capture (tpflash.parallel.overlap.capture_decision, set on the blocks' layers for
+  the capture), and replayed as captured: a layer's own flag if set (`set_overlap`), else
+  TPFLASH_OVERLAP if set, else overlapped through the copy engines where the GPUs map each other's
+  memory (measured faster than serial collectives there: docs/overlap.md) and serial NCCL
+  collectives elsewhere; serial collectives go through the copy engines where they
   can (TPFLASH_COMM_BACKEND's default, "auto"), else through NCCL. The warm-up passes size the
   symmetric-memory workspaces so that capture allocates nothing;
 - the stack's outputs and gradients live in the graphs' memory: a tensor kept from one replay is
@@ -259,7 +260,8 @@ class GraphedBlocks:
         torch.cuda.synchronize()
         # The passes' activations stay cached for the side stream, which runs nothing after them, while the
         # capture allocates its own in the graphs' pool: handed back, the stack's activations are held once
-        # (llama-1b at dp=2: 9 GiB of the 21 GiB reserved; docs/performance.md, "Activation memory").
+        # (llama-1b on one GPU: 40.0 to 26.9 GiB reserved at the same speed; docs/performance.md,
+        # "Activation memory").
         torch.cuda.empty_cache()
 
     # ---- replay -----------------------------------------------------------------------------------
