@@ -51,6 +51,11 @@ def test_set_overlap_sets_every_flag_of_a_model_the_head_included():
     assert all(m.overlap is None for m in flags)
 
 
+def test_set_overlap_takes_only_true_false_or_none():
+    with pytest.raises(ValueError, match=r"set_overlap\(enabled='yes'\): enabled must be True, False or None"):
+        overlap.set_overlap(RowParallelLinear(8, 8), "yes")
+
+
 @pytest.mark.parametrize("setting,comm_backend,reach,expected", [
     (None, "auto", True, True),      # captured, the copy engines reach the group: overlapped
     (None, "auto", False, False),    # GPUs that cannot map each other's memory: serial

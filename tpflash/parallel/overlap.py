@@ -87,6 +87,8 @@ def set_overlap(module: nn.Module, enabled: Optional[bool]) -> None:
     """Set the overlap flag of every layer of `module` that has one: True / False win over TPFLASH_OVERLAP
     and over a capture's default; None returns them to those defaults. A CUDA graph captured after it
     keeps the choice."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"set_overlap(enabled={enabled!r}): enabled must be True, False or None")
     for m in _overlap_flags(module):
         m.overlap = enabled
 
