@@ -344,6 +344,9 @@ def parse_args(argv=None):
                    "MLP activation's output remade in the backward; selective keeps the GEMMs' outputs) and "
                    "torchtitan's (selective: its per-op policy; it has no activation-only mode and runs none for it)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--memory-limit-gib", type=float, default=None, metavar="GIB",
+                   help="cap PyTorch's caching allocator at GIB per GPU (set_per_process_memory_fraction), e.g. 76 "
+                   "on a larger GPU to check that the rows fit an 80 GB one (CUDA context and NCCL buffers come on top)")
     p.add_argument("--no-telemetry", action="store_true", help="do not sample the SM clock and power (nvidia-smi)")
     p.add_argument("--results", default="bench_e2e.jsonl", help="JSON lines, appended; the table covers all")
     p.add_argument("--table", default=None, help="also write the markdown table here")
@@ -386,6 +389,17 @@ def print_table(args) -> None:
             f.write(text + "\n")
 
 
+def _cap_memory(device: torch.device, limit_gib: float) -> None:
+    """Let the caching allocator reserve at most limit_gib on this GPU: a row that needs more fails with
+    an out-of-memory error, as on a GPU of that size."""
+    if device.type != "cuda":
+        raise ValueError(f"--memory-limit-gib {limit_gib:g}: a memory cap needs CUDA devices")
+    total_gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+    if not 0 < limit_gib <= total_gib:
+        raise ValueError(f"--memory-limit-gib {limit_gib:g}: must be above 0 and at most this GPU's {total_gib:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(limit_gib / total_gib, device)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.table_only:
@@ -393,6 +407,8 @@ def main(argv=None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ps = tpflash.parallel.init(tp=args.tp or world)
     args.dtype = args.dtype or ("bf16" if ps.device.type == "cuda" else "fp32")
+    if args.memory_limit_gib is not None:
+        _cap_memory(ps.device, args.memory_limit_gib)
     # first the trainer's default (graphed blocks, at tp=1 where dp=1), then the eager step and the peers
     rest = ([*FP8, "tpflash", "plain", "plain-compile", *EXTERNAL] if ps.tp_size == 1
             else ["tpflash", "tpflash-nooverlap", "dtensor", "dtensor-compile", "torchtitan"])
@@ -407,6 +423,9 @@ def main(argv=None) -> None:
             if ps.rank == 0:
                 print(f"[bench_e2e] {model_name} {impl} tp={ps.tp_size} dp={ps.dp_size} ({dp_mode})", flush=True)
             rows.append(run_config(model_name, impl, argparse.Namespace(**{**vars(args), "dp_mode": dp_mode}), ps))
+            if args.memory_limit_gib is not None:
+                rows[-1]["note"] = "; ".join(filter(None, [rows[-1].get("note"),
+                                                           f"allocator capped at {args.memory_limit_gib:g} GiB"]))
             if ps.rank == 0:
                 print(f"[bench_e2e]   {json.dumps(rows[-1])}", flush=True)
                 with open(args.results, "a") as f:

@@ -275,3 +275,12 @@ def test_the_table_gives_each_rows_first_and_last_loss_and_the_bf16_rows_beside_
     text = table(rows, IMPLS, {}, {"tpflash-fp8-tensorwise": "tpflash-graphs"})
     assert "| loss 10.400 -> 9.250 |" in text
     assert "loss 10.400 -> 9.430 (tpflash-graphs: 9.250)" in text
+
+
+def test_a_memory_cap_needs_cuda_and_a_size_within_the_gpu():
+    from bench_e2e import _cap_memory
+    with pytest.raises(ValueError, match="--memory-limit-gib 76: a memory cap needs CUDA devices"):
+        _cap_memory(torch.device("cpu"), 76)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="must be above 0 and at most"):
+            _cap_memory(torch.device("cuda"), 1e6)
