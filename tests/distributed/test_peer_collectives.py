@@ -180,3 +180,54 @@ def test_copy_engine_collectives_in_graph_epochs_equal_nccl(ranks, tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     ranks(tp).run(graph_epoch_body, tp)
+
+
+def pieces_body(world):
+    """reduce_scatter_pieces (sharded gradients: bf16 pieces in, fp32 chunks out) gives an fp32 NCCL
+    reduce-scatter of the upcast pieces, eager and replayed from a CUDA graph between eager calls, for
+    pieces of several sizes (none a multiple of the buffer alignment)."""
+    from tpflash.parallel import peer_collectives
+    ps = init_tp(world)
+    torch.manual_seed(ps.tp_rank)
+    fulls = [torch.randn(world * n, device=ps.device, dtype=torch.bfloat16) for n in (4096 * 3, 5, 1000)]
+
+    def want():
+        outs = [torch.empty(f.numel() // world, device=ps.device) for f in fulls]
+        comm.reduce_scatter_many(outs, [f.float() for f in fulls], ps.tp_group)
+        return torch.cat(outs)
+
+    def pieces():
+        return peer_collectives.reduce_scatter_pieces(fulls, ps.tp_group, torch.float32)
+
+    pieces()  # sizes the workspace before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), peer_collectives.graph_epoch():
+        captured = pieces(), pieces()
+    for step, order in enumerate(["graph", "eager", "graph", "graph", "eager"]):
+        for f in fulls:
+            f.add_(step + 1)
+        if order == "graph":
+            graph.replay()
+            got = captured
+        else:
+            got = pieces(), pieces()
+        for g in got:
+            assert g.dtype == torch.float32
+            assert_close(g, want(), f"step {step} ({order})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_gradients_summed_by_the_copy_engines_equal_an_fp32_reduce_scatter(ranks, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    ranks(world).run(pieces_body, world)
+
+
+def test_pieces_that_do_not_split_evenly_over_the_ranks_are_refused(monkeypatch):
+    from tpflash.parallel import peer_collectives
+    monkeypatch.setattr(peer_collectives.dist, "get_world_size", lambda group: 4)
+    monkeypatch.setattr(peer_collectives.dist, "get_rank", lambda group: 0)
+    with pytest.raises(ValueError, match="every full must be 1-D with a multiple of 4 elements"):
+        peer_collectives.reduce_scatter_pieces([torch.zeros(8), torch.zeros(6)], object(), torch.float32)

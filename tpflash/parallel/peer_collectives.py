@@ -38,7 +38,7 @@ from .peer_workspace import graph_epoch
 
 __all__ = ["BACKENDS", "PeerAllGather", "PeerReduceScatter", "all_gather", "available", "can_map_peers",
            "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "peer_access",
-           "reachable", "reduce_scatter", "use_copy_engine"]
+           "reachable", "reduce_scatter", "reduce_scatter_pieces", "use_copy_engine"]
 
 _ENV = "TPFLASH_COMM_BACKEND"
 BACKENDS = ("auto", "nccl", "copy_engine")
@@ -250,6 +250,39 @@ class PeerReduceScatter:
             self.ws.barrier()  # every rank has summed its slots: the buffers may be written again
         self.sent = []
         return out
+
+
+def reduce_scatter_pieces(fulls: Sequence[torch.Tensor], group, out_dtype: torch.dtype) -> torch.Tensor:
+    """This rank's chunk of the sum over ranks of each full [world * n_i] (1-D; rank r's chunk at
+    r * n_i), added in fp32 and rounded once to out_dtype: one flat [sum n_i] tensor, the chunks in
+    order. The copy engines push every chunk into its owner's buffer (no SMs, and a bf16 chunk moves
+    half the bytes of an fp32 one); one kernel then adds the world chunks (kernels.sum_parts). For
+    sharded gradients in bf16 this computes what an fp32 reduce-scatter of them does, up to the
+    order of the additions. Process group: `group` (CUDA tensors, world > 1)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if any(full.dim() != 1 or full.numel() % world for full in fulls):
+        raise ValueError(f"reduce_scatter_pieces: every full must be 1-D with a multiple of {world} elements, got "
+                         f"{[tuple(full.shape) for full in fulls]}")
+    numels = [full.numel() // world for full in fulls]
+    total, dtype = sum(numels), fulls[0].dtype
+    slot = _slot_bytes((total,), dtype)
+    ws = _workspace(group, fulls[0].device, 2 * world * slot)
+    buffer, in_epoch = _take_turn(ws)
+
+    def chunks_from(sender: int, owner: int) -> torch.Tensor:  # owner's buffer: what sender sent it
+        return ws.view(owner, (buffer * world + sender) * slot, (total,), dtype)
+
+    for step in range(world):  # the peers first, then this rank's own chunks
+        owner, start = (rank + 1 + step) % world, 0
+        into = chunks_from(rank, owner)
+        for full, n in zip(fulls, numels):
+            into[start:start + n].copy_(full[owner * n:(owner + 1) * n])
+            start += n
+    ws.barrier()  # every rank's chunks have arrived
+    summed = sum_parts([chunks_from(sender, rank) for sender in range(world)], out_dtype)
+    if not in_epoch:
+        ws.barrier()  # every rank has read its buffer: it may be written again
+    return summed
 
 
 def all_gather(x: torch.Tensor, group) -> torch.Tensor:

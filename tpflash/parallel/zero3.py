@@ -16,11 +16,16 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
   i + 1's while block i computes);
   in the backward, block i's slot is gathered again before its backward (the last two blocks still
   hold theirs), while block i + 1's backward computes;
-- gradients: a hook on each leaf copies its gradient (fp32) into a reduction slot; when a block's
-  last one is in, one grouped reduce-scatter (a collective per parameter, one launch) adds this
-  rank's rows of the sum, divided by dp,
-  to the block's gradient buffer (micro-batches accumulate until `new_step`), while the blocks
-  before it compute theirs;
+- gradients: a hook on each leaf copies its gradient into a reduction slot; when a block's last one
+  is in, this rank's rows of their sum over dp, divided by dp, are added to the block's gradient
+  buffer (micro-batches accumulate until `new_step`), while the blocks before it compute theirs. The
+  sum is an fp32 reduce-scatter of fp32 slots (one grouped collective, one launch), except where
+  the comm backend sends the work to the copy engines (by default: the graphed blocks' warm-up and
+  capture; tpflash.parallel.peer_collectives) and the gathered weights are narrower than the
+  masters: then the slots hold the gradients in the compute dtype, the copy engines push each
+  rank's rows to it, and one kernel adds them in fp32 (`reduce_scatter_pieces`): the sum an fp32
+  reduce-scatter of the bf16 gradients gives, with half the bytes on the links, no SMs moving them
+  and no fp32 copy of the gradients. Decided once per backward (`_reduces_through_peers`);
 - the blocks' tp-partial-gradient parameters (norm weights under sequence parallelism: summed over
   tp in autograd at the end of the stack's backward) are sharded too, but gathered for all blocks at
   once at the start of the forward, kept until the next one (they are small), and reduced after
@@ -30,7 +35,8 @@ Everything outside the blocks (embeddings, final norm, head) is left to FSDP2 on
 unit (`shard_blocks`): those run eagerly anyway. Communication per step is FSDP's (an all-gather in
 the forward and in the backward, a reduce-scatter); memory per rank is the sharded fp32 weights,
 gradients and AdamW state (16 / dp bytes per parameter) plus the two compute slots and two
-reduction slots of one block (`bytes_per_rank`).
+reduction slots of one block (`bytes_per_rank`; a reduction slot is made on the first backward that
+uses it, in fp32 or in the compute dtype).
 
 On CUDA the collectives run on a side stream, ordered against the compute by events recorded in the
 same forward or backward; on CPU they run inline. Capture (tpflash.layers.graphed_blocks) records
@@ -46,6 +52,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from . import peer_collectives
 from .comm import all_gather_many, reduce_scatter_many
 from .state import ParallelState
 from .zero3_layout import Piece, block_parameters, layout, module_and_name
@@ -75,6 +82,7 @@ class ShardedBlocks:
         self.blocks = list(getattr(model, "blocks", []))
         named, is_partial = block_parameters(self.blocks)
         master_dtype, device = named[0][0][1].dtype, ps.device
+        self.master_dtype, self.device = master_dtype, device
         self.compute_dtype = compute_dtype or master_dtype
         self.cuda = device.type == "cuda"
         self.pieces: Dict[str, List[Piece]] = {}
@@ -98,6 +106,7 @@ class ShardedBlocks:
         self._waiting = [False, False]  # a slot's gather was issued on the side stream, not yet waited for
         self._reduced_here = [False, False]  # a reduction from a reduction slot was issued in this backward
         self._backward_open = False
+        self._through_peers = False  # this backward's block gradients are summed by the copy engines
         self._pending = [0] * len(self.blocks)  # per block: main gradients not yet in this backward
         self._pending_partial = 0
         self._install_hooks()
@@ -112,7 +121,8 @@ class ShardedBlocks:
         self.grad = {k: zeros(n_blocks, sizes[k][0], dtype=master_dtype) for k in KINDS}
         self.slots = {k: zeros(slots[k], sizes[k][1], dtype=self.compute_dtype) for k in KINDS}
         self._writable = {k: v.data for k, v in self.slots.items()}  # writes here leave autograd's versions alone
-        self.reduce_slots = {k: zeros(slots[k], sizes[k][1], dtype=master_dtype) for k in KINDS}
+        self._slot_shapes = {k: (slots[k], sizes[k][1]) for k in KINDS}
+        self.reduce_slots: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}  # made on first use: _reduction_slots
         self._staging = ({k: torch.empty(sizes[k][0], dtype=self.compute_dtype, device=device) for k in KINDS}
                          if self.compute_dtype != master_dtype else None)  # a block's shard cast, to gather
         self._scratch = {k: torch.empty(sizes[k][0], dtype=master_dtype, device=device) for k in KINDS}
@@ -243,6 +253,7 @@ class ShardedBlocks:
         n = len(self.blocks)
         if not self._backward_open:
             self._backward_open = True
+            self._through_peers = self._reduces_through_peers()
             self._pending = [len(self.pieces["main"])] * n
             self._pending_partial = len(self.pieces["partial"]) * n
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
@@ -263,7 +274,7 @@ class ShardedBlocks:
         if grad is None:  # a graph replay's backward: the captured hooks ran inside it
             return
         slot = i % 2 if kind == "main" else i
-        self.reduce_slots[kind][slot][piece.full_start:piece.full_start + grad.numel()].view(grad.shape).copy_(grad)
+        self._reduction_slots(kind)[slot][piece.full_start:piece.full_start + grad.numel()].view(grad.shape).copy_(grad)
         if kind == "main":
             self._pending[i] -= 1
             if self._pending[i] == 0:
@@ -279,11 +290,16 @@ class ShardedBlocks:
         with self._side():
             for i in blocks:
                 slot = i % 2 if kind == "main" else i
-                out = self._scratch[kind]  # one per kind: the reductions follow each other on one stream
-                fulls = [self.reduce_slots[kind][slot][piece.full_start:piece.full_end] for piece in self.pieces[kind]]
-                shards = [out[piece.shard_start:piece.shard_start + piece.shard_numel] for piece in self.pieces[kind]]
+                reduction = self._reduction_slots(kind)[slot]
+                fulls = [reduction[piece.full_start:piece.full_end] for piece in self.pieces[kind]]
                 if not fulls:
                     continue
+                if kind == "main" and self._through_peers:  # the chunks in order: the gradient buffer's layout
+                    summed = peer_collectives.reduce_scatter_pieces(fulls, self.group, self.master_dtype)
+                    self.grad[kind][i].add_(summed, alpha=1.0 / self.ranks)
+                    continue
+                out = self._scratch[kind]  # one per kind: the reductions follow each other on one stream
+                shards = [out[piece.shard_start:piece.shard_start + piece.shard_numel] for piece in self.pieces[kind]]
                 if self.ranks == 1:
                     torch._foreach_copy_(shards, fulls)
                 else:
@@ -293,6 +309,23 @@ class ShardedBlocks:
                 self._events["reduced"][blocks[0] % 2].record()
         if kind == "main":
             self._reduced_here[blocks[0] % 2] = self.cuda
+
+    def _reduces_through_peers(self) -> bool:
+        """Whether this backward's block gradients are summed by the copy engines (module docstring): the
+        comm backend sends this work there, and they are narrower than the masters. Asked once per
+        backward, on every rank alike (the first answer per group is a collective, outside capture)."""
+        if self.ranks == 1 or self.compute_dtype.itemsize >= self.master_dtype.itemsize:
+            return False
+        return peer_collectives.use_copy_engine(self._scratch["main"], self.group)
+
+    def _reduction_slots(self, kind: str) -> torch.Tensor:
+        """The reduction slots of `kind` [slots, slot elements] for this backward: in the compute dtype for
+        the copy engines' sum, else in the masters' (fp32) dtype. Made zero on first use (padding rows
+        stay zero); the eager warm-up before a capture makes those the capture uses."""
+        dtype = self.compute_dtype if kind == "main" and self._through_peers else self.master_dtype
+        if (kind, dtype) not in self.reduce_slots:
+            self.reduce_slots[(kind, dtype)] = torch.zeros(self._slot_shapes[kind], dtype=dtype, device=self.device)
+        return self.reduce_slots[(kind, dtype)]
 
     def _after_backward(self) -> None:
         self._backward_open = False
@@ -341,7 +374,7 @@ class ShardedBlocks:
         staging = size(self._staging.values()) if self._staging else 0
         return {"params": size(self.master.values()), "grads": size(self.grad.values()),
                 "adam_state": 2 * size(self.master.values()),
-                "slots": size(self.slots.values()) + size(self.reduce_slots.values()) + staging}
+                "slots": size(self.slots.values()) + size(self.reduce_slots.values()) + staging}  # made so far
 
 
 class GraphSync:
