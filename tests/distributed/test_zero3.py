@@ -113,6 +113,11 @@ def test_zero3_with_fp8_gemms_computes_what_fsdp2_with_them_computes(ranks, reci
     ranks(2).run(trains_like_the_reference_body, 1, graphed, 1, False, 64, True, recipe)
 
 
+@pytest.mark.parametrize("checkpointing", ["activation", "full"])
+def test_zero3_with_fp8_tensorwise_and_recomputation_computes_what_fsdp2_computes(ranks, checkpointing):
+    ranks(2).run(trains_like_the_reference_body, 1, True, 1, checkpointing, 64, True, "tensorwise")
+
+
 def test_rows_that_do_not_divide_by_dp_are_padded_and_train_like_ddp(ranks):
     ranks(4).run(trains_like_the_reference_body, 1, True, 1, None, 70)  # up_proj's 70 rows: 18 per rank, 16 on the last
 
@@ -196,3 +201,33 @@ def unused_body():
 def test_a_block_parameter_without_a_gradient_fails_the_backward_naming_the_rule(ranks):
     error = ranks(2).run(unused_body)[0]
     assert error and "got no gradient" in error and "fsdp=zero3 needs every block parameter used" in error
+
+
+def backward_gathers_body(recipe, checkpointing):
+    """(regather, the blocks the backward gathered) for a bf16 step of a 4-block model under zero3."""
+    ps = init_tp(1)
+    model, _ = twins(_config(False, activation_checkpointing=checkpointing, fp8=recipe), ps.device)
+    sharded = shard_blocks(model, ps, compute_dtype=torch.bfloat16)
+    gathered, gather = [], sharded._gather
+
+    def counting(kind, block, slot):
+        if sharded._backward_open:
+            gathered.append((kind, block))
+        gather(kind, block, slot)
+
+    sharded._gather = counting
+    with torch.autocast(ps.device.type, dtype=torch.bfloat16):
+        loss = model(*batch(0, ps.device))
+    loss.backward()
+    return sharded.regather, gathered
+
+
+@pytest.mark.parametrize("recipe,checkpointing,regathered", [
+    ("tensorwise", False, []), ("tensorwise", "activation", []),  # the forward's fp8 weights serve the backward
+    ("tensorwise", "full", [("main", 1), ("main", 0)]), ("rowwise", False, [("main", 1), ("main", 0)]),
+    ("off", False, [("main", 1), ("main", 0)])])  # the slots hold blocks 3 and 2 after the forward
+def test_the_backward_gathers_the_blocks_again_only_where_it_reads_their_weights(ranks, recipe, checkpointing,
+                                                                                  regathered):
+    for regather, gathered in ranks(2).run(backward_gathers_body, recipe, checkpointing):
+        assert regather == bool(regathered)
+        assert gathered == regathered

@@ -86,7 +86,7 @@ class ParallelTransformerBlock(nn.Module):
             raise ValueError(f"checkpoint='selective' needs dropout=0, got dropout={dropout}: its recomputation "
                              "would draw other masks (use 'full', which replays the random streams)")
         self.process_group = resolve_tp_group(process_group)
-        self.sequence_parallel, self.dropout, self.checkpoint = sequence_parallel, dropout, checkpoint
+        self.sequence_parallel, self.dropout, self.checkpoint, self.fp8 = sequence_parallel, dropout, checkpoint, fp8
         self.rng_tracker = rng_tracker or RNGTracker(tp_rank=group_rank(self.process_group))
         ffn_hidden = ffn_hidden or 4 * hidden
         norm_kw = dict(kind=norm, eps=norm_eps, bias=bias and norm == "layernorm", sequence_parallel=sequence_parallel,
@@ -118,6 +118,13 @@ class ParallelTransformerBlock(nn.Module):
             return []
         return [p for m in self.modules() if m is not self and hasattr(m, "tp_partial_grad_parameters")
                 for p in m.tp_partial_grad_parameters()]
+
+    def backward_reads_weights(self) -> bool:
+        """Whether this block's backward reads its projections' weights (sharded data parallelism gathers
+        them again for it, tpflash.parallel.zero3): not where every projection multiplies in fp8
+        tensorwise, whose backward uses the fp8 weights its forward saved, and no checkpointing reruns
+        a GEMM (None, or "activation", which remakes the MLP activation from the GEMMs' saved outputs)."""
+        return not (self.fp8 == "tensorwise" and self.checkpoint in (None, "activation"))
 
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
         """The tensors the block's forward casts to the compute dtype, grouped as its layers stack them."""

@@ -26,10 +26,12 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
   rank's rows to it, and one kernel adds them in fp32 (`reduce_scatter_pieces`): the sum an fp32
   reduce-scatter of the bf16 gradients gives, with half the bytes on the links, no SMs moving them
   and no fp32 copy of the gradients. Decided once per backward (`_reduces_through_peers`);
-- the blocks' tp-partial-gradient parameters (norm weights under sequence parallelism: summed over
-  tp in autograd at the end of the stack's backward) are sharded too, but gathered for all blocks at
-  once at the start of the forward, kept until the next one (they are small), and reduced after
-  the backward.
+- the "resident" parameters are sharded too, but gathered for all blocks at once at the start of the
+  forward, kept until the next one (they are small), and reduced after the backward: the blocks'
+  tp-partial-gradient ones (norm weights under sequence parallelism: summed over tp in autograd at
+  the end of the stack's backward), and every 1-D one (norms, biases) where the blocks' backward
+  reads no weight (`Block.backward_reads_weights`: fp8 tensorwise GEMMs, whose backward multiplies
+  the fp8 copies its forward saved). The backward then gathers nothing: half the all-gathers.
 
 Everything outside the blocks (embeddings, final norm, head) is left to FSDP2 on the model's root
 unit (`shard_blocks`): those run eagerly anyway. Communication per step is FSDP's (an all-gather in
@@ -59,7 +61,7 @@ from .zero3_layout import Piece, block_parameters, layout, module_and_name
 
 _EVERY_PARAMETER_USED = ("fsdp=zero3 needs every block parameter used in the forward (a block's gradients are reduced "
                          "once all of them have arrived)")
-KINDS = ("main", "partial")  # double-buffered per block / gathered for all blocks at once
+KINDS = ("main", "resident")  # double-buffered per block / gathered for all blocks at once (module docstring)
 
 
 class ShardedBlocks:
@@ -81,6 +83,9 @@ class ShardedBlocks:
         self.group, self.ranks, self.rank = ps.dp_cp_group, ps.dp_cp_size, ps.dp_cp_rank
         self.blocks = list(getattr(model, "blocks", []))
         named, is_partial = block_parameters(self.blocks)
+        # whether the backward gathers each block's weights again (module docstring), as its blocks say
+        self.regather = any(getattr(b, "backward_reads_weights", lambda: True)() for b in self.blocks)
+        resident = [part or (not self.regather and p.dim() == 1) for (_, p), part in zip(named[0], is_partial)]
         master_dtype, device = named[0][0][1].dtype, ps.device
         self.master_dtype, self.device = master_dtype, device
         self.compute_dtype = compute_dtype or master_dtype
@@ -88,7 +93,7 @@ class ShardedBlocks:
         self.pieces: Dict[str, List[Piece]] = {}
         sizes = {}  # kind -> (shard elements, slot elements)
         for kind, wanted in zip(KINDS, (False, True)):
-            self.pieces[kind], *sizes[kind] = layout([x for x, part in zip(named[0], is_partial) if part == wanted],
+            self.pieces[kind], *sizes[kind] = layout([x for x, res in zip(named[0], resident) if res == wanted],
                                                      self.ranks)
         self._allocate(len(self.blocks), sizes, master_dtype, device)
         self.leaves: List[Dict[str, torch.Tensor]] = []  # per block: path -> the leaf viewing its slot
@@ -108,14 +113,14 @@ class ShardedBlocks:
         self._backward_open = False
         self._through_peers = False  # this backward's block gradients are summed by the copy engines
         self._pending = [0] * len(self.blocks)  # per block: main gradients not yet in this backward
-        self._pending_partial = 0
+        self._pending_resident = 0
         self._install_hooks()
         self.new_step()
 
     # ---- construction -----------------------------------------------------------------------------
     def _allocate(self, n_blocks: int, sizes, master_dtype: torch.dtype, device) -> None:
         zeros = functools.partial(torch.zeros, device=device)
-        slots = {"main": 2, "partial": n_blocks}  # compute and reduction slots; padded rows stay zero
+        slots = {"main": 2, "resident": n_blocks}  # compute and reduction slots; padded rows stay zero
         # masters and their gradients: [block, shard] (this rank's rows of every parameter, padded)
         self.master = {k: zeros(n_blocks, sizes[k][0], dtype=master_dtype) for k in KINDS}
         self.grad = {k: zeros(n_blocks, sizes[k][0], dtype=master_dtype) for k in KINDS}
@@ -232,7 +237,7 @@ class ShardedBlocks:
             self._gen += 1
             with self._side():
                 for block in range(len(self.blocks)):
-                    self._gather("partial", block, block)
+                    self._gather("resident", block, block)
             self._join()
         self._ensure(i)
         if i + 1 < len(self.blocks):
@@ -255,18 +260,19 @@ class ShardedBlocks:
             self._backward_open = True
             self._through_peers = self._reduces_through_peers()
             self._pending = [len(self.pieces["main"])] * n
-            self._pending_partial = len(self.pieces["partial"]) * n
+            self._pending_resident = len(self.pieces["resident"]) * n
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         if i + 1 < n:
             self._swap(i + 1, use_leaves=False)
         if i + 2 < n and self._pending[i + 2]:  # block i's gradients would overwrite block i + 2's unreduced ones
             raise RuntimeError(f"{self._pending[i + 2]} parameter(s) of block {i + 2} got no gradient before block "
                                f"{i}'s backward began: {_EVERY_PARAMETER_USED}")
-        self._ensure(i)
+        if self.regather:
+            self._ensure(i)
         if self._reduced_here[i % 2]:  # block i + 2's reduction still reads the reduction slot
             torch.cuda.current_stream().wait_event(self._events["reduced"][i % 2])
             self._reduced_here[i % 2] = False
-        if i > 0:
+        if i > 0 and self.regather:
             self._prefetch(i - 1)
         self._swap(i, use_leaves=True)  # a recomputed (checkpointed) forward reads the modules' weights
 
@@ -280,9 +286,9 @@ class ShardedBlocks:
             if self._pending[i] == 0:
                 self._reduce("main", [i])
         else:
-            self._pending_partial -= 1
-            if self._pending_partial == 0:
-                self._reduce("partial", range(len(self.blocks)))
+            self._pending_resident -= 1
+            if self._pending_resident == 0:
+                self._reduce("resident", range(len(self.blocks)))
 
     def _reduce(self, kind: str, blocks: Sequence[int]) -> None:
         """Sum the blocks' gradients of `kind` over the group and add this rank's rows, divided by dp, to
@@ -331,7 +337,7 @@ class ShardedBlocks:
         self._backward_open = False
         self._join()
         self._swap(0, use_leaves=False)
-        missing = sum(self._pending) + self._pending_partial
+        missing = sum(self._pending) + self._pending_resident
         if missing:  # every rank runs the same blocks: all raise here alike
             raise RuntimeError(f"{missing} block parameter(s) got no gradient: {_EVERY_PARAMETER_USED}")
 
