@@ -36,10 +36,9 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
 Everything outside the blocks (embeddings, final norm, head) is left to FSDP2 on the model's root
 unit (`shard_blocks`): those run eagerly anyway. Communication per step is FSDP's (an all-gather in
 the forward and, unless the blocks' backward reads no weight, in the backward; a reduce-scatter);
-memory per rank is the sharded fp32 weights,
-gradients and AdamW state (16 / dp bytes per parameter) plus the two compute slots and two
-reduction slots of one block (`bytes_per_rank`; a reduction slot is made on the first backward that
-uses it, in fp32 or in the compute dtype).
+memory per rank is the sharded fp32 weights, gradients and AdamW state (16 / dp bytes per
+parameter) plus the two compute slots and two reduction slots of one block (`bytes_per_rank`; a
+reduction slot is made on the first backward that uses it, in fp32 or in the compute dtype).
 
 On CUDA the collectives run on a side stream, ordered against the compute by events recorded in the
 same forward or backward; on CPU they run inline. Capture (tpflash.layers.graphed_blocks) records
