@@ -21,7 +21,8 @@
 #                                     each fp8 recipe beside torchao float8 + compile, torchtitan (bf16, float8)
 #                                     and Liger; their wheels from .whl/ (scripts/gpu_wheels.sh) where present
 #   bash scripts/gpu_check.sh fp8-accuracy  one GPU: benchmarks/fp8_accuracy.sh (bf16 and each recipe, 1,000
-#                                     steps of a 1B model; MODES= picks runs), then its table and PNG
+#                                     steps of a 1B model, at two seeds; MODES= and SEEDS= pick runs), then its
+#                                     tables (each seed, and the mean over seeds) and PNG
 #   bash scripts/gpu_check.sh dp      2 or 4 GPUs: zero1 against DDP and zero3 against FSDP2 over NCCL (NO_TESTS=1 skips them), then the
 #                                     training step of $MODELS (default llama-1b; BATCH sequences per rank,
 #                                     default 4) at tp=1 x dp=N (and tp=2 x dp=2 on 4 GPUs; TPS= picks) in each
@@ -149,7 +150,7 @@ faults() {  # the fault suite over NCCL on 2 and 4 GPUs (each layout skipped whe
 
 fp8_accuracy() {
   OUT=$OUT/fp8_accuracy bash benchmarks/fp8_accuracy.sh
-  python3 benchmarks/fp8_accuracy_plot.py "$OUT/fp8_accuracy" --png "$OUT/fp8_accuracy.png"
+  python3 benchmarks/fp8_accuracy_plot.py "$OUT"/fp8_accuracy/seed* --png "$OUT/fp8_accuracy.png"
 }
 
 case "${1:-all}" in

@@ -284,3 +284,63 @@ def test_a_memory_cap_needs_cuda_and_a_size_within_the_gpu():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="must be above 0 and at most"):
             _cap_memory(torch.device("cuda"), 1e6)
+
+
+# ---- the fp8 accuracy peer (benchmarks/fp8_accuracy_peer.py): the trainer's run on the plain Llama -------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a tiny model of benchmarks/fp8_accuracy.yaml's family; a short warmup and a high lr, so that six steps
+# move the weights enough for a wrong optimizer, schedule or clip to show in the losses
+TINY_ACCURACY_RUN = ["--config", os.path.join(ROOT, "benchmarks", "fp8_accuracy.yaml"), "--model.n_layer=2",
+                     "--model.n_embd=64", "--model.n_head=4", "--model.n_kv_head=2", "--model.ffn_hidden=128",
+                     "--model.block_size=32", "--train.batch_size=2", "--train.steps=6", "--train.warmup_steps=2",
+                     "--train.lr=3e-3", "--train.eval_interval=3", "--train.eval_batches=1",
+                     "--data.max_bytes=200000", "--log.interval=1"]
+
+
+def _run(argv, cwd):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "CUDA_VISIBLE_DEVICES": ""}  # the comparison is fp32 on CPU
+    run = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+@pytest.fixture(scope="module")
+def accuracy_runs(tmp_path_factory):
+    """The runs directory of benchmarks/fp8_accuracy.sh with the tiny run by the trainer (off) and by the
+    peer (bf16): fp32 on CPU, so that the two should agree to rounding."""
+    runs = tmp_path_factory.mktemp("fp8_accuracy")
+    _run(["-m", "tpflash.train", *TINY_ACCURACY_RUN, "--model.fp8=off", f"--log.dir={runs / 'off'}"], ROOT)
+    peer = _run([os.path.join(ROOT, "benchmarks", "fp8_accuracy_peer.py"), "--mode", "bf16", "--out",
+                 str(runs / "bf16"), *TINY_ACCURACY_RUN], str(runs))
+    return runs, peer
+
+
+def test_the_accuracy_peer_trains_like_the_tpflash_trainer_from_its_init_on_its_data(accuracy_runs):
+    import fp8_accuracy_plot
+    runs, _ = accuracy_runs
+    records = fp8_accuracy_plot.read_runs(str(runs))
+    trainer, peer = records["off"], records["bf16"]
+    for kind, key in (("train", "loss"), ("eval", "eval_loss")):
+        ours, theirs = ([(r["step"], r[key]) for r in run[kind]] for run in (trainer, peer))
+        assert [s for s, _ in ours] == [s for s, _ in theirs], (kind, ours, theirs)
+        assert all(abs(a - b) <= 1e-4 * abs(a) for (_, a), (_, b) in zip(ours, theirs)), (kind, ours, theirs)
+    assert [r["step"] for r in peer["train"]] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in peer["eval"]] == [3, 6]
+    assert [r["lr"] for r in peer["train"]] == [r["lr"] for r in trainer["train"]]
+    assert trainer["train"][-1]["loss"] < trainer["train"][0]["loss"] - 0.1  # it trained: the check means something
+
+
+def test_the_accuracy_peer_checks_it_computes_the_tpflash_models_loss_before_training(accuracy_runs):
+    _, stdout = accuracy_runs
+    line = next(line for line in stdout.splitlines() if line.startswith("same-model check"))
+    ours, theirs = (float(part.split()[-1]) for part in line.split(":")[1].split(","))
+    assert abs(ours - theirs) <= 1e-4 * ours, line
+
+
+def test_the_fp8_accuracy_table_compares_the_peers_bf16_run_with_tpflashs(accuracy_runs):
+    import fp8_accuracy_plot
+    runs, _ = accuracy_runs
+    text = fp8_accuracy_plot.table(fp8_accuracy_plot.read_runs(str(runs)), tail=2)
+    row = next(line for line in text.splitlines() if line.startswith("| bf16 |"))
+    assert "| 6 |" in row and "| none |" in row and ("+0.00%" in row or "-0.00%" in row), text

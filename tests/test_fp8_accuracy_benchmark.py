@@ -46,3 +46,14 @@ def test_no_runs_is_one_clear_message(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fp8_accuracy_plot.py"), str(tmp_path)],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "no ('off', 'rowwise', 'tensorwise') runs" in proc.stderr, proc.stderr
+
+
+def test_the_mean_table_averages_each_mode_over_the_seeds_and_shows_each_seeds_gap(tmp_path):
+    for seed, (bf16_eval, fp8_eval) in {"seed1": (2.0, 2.1), "seed2": (2.2, 2.09)}.items():
+        _write_run(str(tmp_path / seed), "off", [5.0, 2.0], bf16_eval)
+        _write_run(str(tmp_path / seed), "tensorwise", [5.0, 2.0], fp8_eval)
+    runs = {str(tmp_path / seed): fp8_accuracy_plot.read_runs(str(tmp_path / seed)) for seed in ("seed1", "seed2")}
+    text = fp8_accuracy_plot.mean_table(runs, tail=1)
+    row = next(line for line in text.splitlines() if line.startswith("| tensorwise"))
+    assert "| 2.0950 | -0.24% | +5.00%, -5.00% |" in row, text  # mean 2.095 against 2.1; each seed +5% / -5%
+    assert "(seed1, seed2)" in text.splitlines()[0], text
