@@ -82,6 +82,7 @@ DP_MODES = ("replicate", "fsdp", "zero1", "zero3")
 LOSS_REFERENCE = {**{impl: "tpflash-graphs" for impl in FP8}, "torchtitan-fp8": "torchtitan",
                   "torchao-fp8-compile": "plain-compile", "torchao-fp8-tensorwise-compile": "plain-compile"}
 BASELINE = {"tpflash-nooverlap": "tpflash", "dtensor": "plain", "dtensor-compile": "plain-compile"}
+SHUTDOWN_WAIT_S = 30.0  # after the table: how long destroying the process groups may take before the process exits anyway
 
 
 # ---- building and measuring one configuration (the timing itself: e2e_timing.py) ----------------
@@ -231,6 +232,11 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
     except Exception as exc:  # one failing configuration must not kill the table
         row["error"] = describe(exc)
     finally:
+        release = getattr(model, "release_cuda_graphs", None)
+        if release is not None:  # graphs that captured NCCL kernels would make the groups' destruction wait forever
+            if ps.device.type == "cuda":
+                torch.cuda.synchronize(ps.device)
+            release()
         del model, opt
         _cleanup(ps)
     return row
@@ -433,7 +439,7 @@ def main(argv=None) -> None:
     if ps.rank == 0:
         print_table(args)
     dist.barrier()
-    dist.destroy_process_group()
+    tpflash.parallel.shutdown(exit_after_s=SHUTDOWN_WAIT_S)  # the table is out: a stuck destruction must not hold the job
 
 
 if __name__ == "__main__":

@@ -268,6 +268,18 @@ def test_a_row_whose_loss_is_not_finite_is_a_failed_row_never_a_speed(monkeypatc
     assert "error: FloatingPointError: loss not finite" in table([row], IMPLS, {})
 
 
+def test_a_graphed_row_releases_its_cuda_graphs_before_the_next_row(monkeypatch):
+    """Graphs that captured NCCL kernels make destroying the process groups wait forever: each row frees
+    its own, failed or not."""
+    from tpflash.models import GPT
+    released = []
+    real = GPT.release_cuda_graphs
+    monkeypatch.setattr(GPT, "release_cuda_graphs", lambda self: (released.append(self._graphed_blocks), real(self)))
+    row = run_config("tiny", "tpflash-graphs", parse_args(["--tiny"]), SOLO)
+    assert "tok_s_gpu" in row, row
+    assert len([graphs for graphs in released if graphs is not None]) == 1  # (capture releases none first)
+
+
 def test_the_table_gives_each_rows_first_and_last_loss_and_the_bf16_rows_beside_fp8():
     common = dict(model="llama-1b", tp=1, dp=1, tok_s_gpu=1.0, mfu=0.5, step_ms=1.0, peak_gib=1.0)
     rows = [dict(common, impl="tpflash-graphs", loss_start=10.4, loss=9.25),
