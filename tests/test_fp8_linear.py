@@ -95,6 +95,39 @@ def test_stacked_weights_with_biases_are_one_gemm_over_the_stacked_weight(recipe
     torch.testing.assert_close(torch.cat([b.grad for b in bs]), dy.sum(0), rtol=1e-5, atol=1e-7)
 
 
+def _with_fp8_copies(weights, values):
+    """The weights carrying the stacked e4m3 cast of `values` (one scale, adjacent rows), as fsdp=zero3
+    hands its gathered weights to the layers."""
+    from tpflash.kernels.fp8 import Fp8Weight, cast_stacked
+    stacked = cast_stacked([v.detach() for v in values], E4M3)
+    for w, row in zip(weights, stacked.row.split([v.shape[0] for v in values])):
+        w.fp8_weight = Fp8Weight(row, stacked.scale)
+    return weights
+
+
+def test_tensorwise_gemms_multiply_the_fp8_copies_their_weights_carry_instead_of_casting_them():
+    x, w, dy = operands(n=48)
+    parts = [16, 24, 8]
+    results = []
+    for given in (False, True):  # 2w cast by the layer; w carrying the cast of 2w
+        ws = [t.clone().requires_grad_() for t in (w if given else 2 * w).split(parts)]
+        ws = _with_fp8_copies(ws, (2 * w).split(parts)) if given else ws
+        xl = x.clone().requires_grad_()
+        y = torch.cat(fp8_linears(xl, ws, [None] * 3, "tensorwise"), dim=1)
+        y.backward(dy)
+        results.append([y, xl.grad, torch.cat([t.grad for t in ws])])
+    for ours, cast_here in zip(*results):
+        assert torch.equal(ours, cast_here)
+
+
+def test_a_gemm_whose_weights_carry_fp8_copies_only_in_part_is_refused():
+    x, w, _ = operands(n=48)
+    ws = [t.clone() for t in w.split([16, 32])]
+    _with_fp8_copies(ws[:1], ws[:1])
+    with pytest.raises(RuntimeError, match="must all carry their fp8 copies with one scale"):
+        fp8_linears(x, ws, [None, None], "tensorwise")
+
+
 def test_under_autocast_the_output_is_bf16_and_weight_gradients_fp32():
     x, w, dy = operands()
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()

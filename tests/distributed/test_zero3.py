@@ -231,3 +231,74 @@ def test_the_backward_gathers_the_blocks_again_only_where_it_reads_their_weights
     for regather, gathered in ranks(2).run(backward_gathers_body, recipe, checkpointing):
         assert regather == bool(regathered)
         assert gathered == regathered
+
+
+def fp8_gathers_body(recipe, checkpointing):
+    """Whether zero3 gathers fp8 weights, and (under fp8 gathers, after a forward) whether the slot of the
+    last block holds, bit for bit, the layers' own casts of its gathered bf16 weights, group by group."""
+    from tpflash.kernels.fp8 import E4M3, cast_stacked
+    ps = init_tp(1)
+    model, _ = twins(_config(False, activation_checkpointing=checkpointing, fp8=recipe), ps.device)
+    sharded = shard_blocks(model, ps, compute_dtype=torch.bfloat16)
+    if sharded.fp8_group is None:
+        return False, True
+    with torch.autocast(ps.device.type, dtype=torch.bfloat16):
+        model(*batch(0, ps.device))
+    last = len(sharded.blocks) - 1
+    groups = {}
+    for piece, group in zip(sharded.pieces["main"], sharded.fp8_group):
+        groups.setdefault(group, []).append(piece.path)
+    exact = True
+    for group, paths in groups.items():
+        weights = [sharded.masters[last][path].full_tensor().to(torch.bfloat16) for path in paths]
+        ours = [sharded.leaves[last][path].fp8_weight for path in paths]
+        reference = cast_stacked(weights, E4M3)
+        exact &= torch.equal(torch.cat([w.row for w in ours]).view(torch.uint8), reference.row.view(torch.uint8))
+        exact &= bool(ours[0].scale == reference.scale)
+    return True, exact
+
+
+@pytest.mark.parametrize("recipe,checkpointing,fp8_gathers", [
+    ("tensorwise", False, True), ("tensorwise", "activation", True),
+    ("tensorwise", "full", False),  # the recomputed forward's GEMMs read the weights: gathered as they are
+    ("rowwise", False, False), ("off", False, False)])
+def test_zero3_gathers_the_weights_in_fp8_where_the_gemms_cast_them_whole_with_one_scale(ranks, recipe, checkpointing,
+                                                                                        fp8_gathers):
+    for gathers, exact in ranks(2).run(fp8_gathers_body, recipe, checkpointing):
+        assert gathers == fp8_gathers
+        assert exact, "the gathered fp8 weights are not the layers' casts of the gathered weights"
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_zero3_with_fp8_gathers_computes_what_zero3_without_them_computes(ranks, graphed):
+    ranks(2).run(fp8_gathers_equal_body, graphed)
+
+
+def fp8_gathers_equal_body(graphed):
+    """Three bf16 steps of an fp8 tensorwise model under zero3, with and without fp8 gathers: equal losses
+    and weights, bit for bit (the same casts of the same values)."""
+    ps = init_tp(1)
+    results = []
+    for fp8_gathers in (True, False):
+        torch.manual_seed(0)
+        model, _ = twins(_config(False, fp8="tensorwise"), ps.device)
+        sharded = shard_blocks(model, ps, compute_dtype=torch.bfloat16, fp8_gathers=fp8_gathers)
+        assert (sharded.fp8_group is not None) == fp8_gathers
+        if graphed:
+            with torch.autocast(ps.device.type, dtype=torch.bfloat16):
+                sharded.capture_cuda_graphs(model, BATCH, SEQ)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for step in range(STEPS):
+            with torch.autocast(ps.device.type, dtype=torch.bfloat16):
+                loss = model(*batch(step + 10 * ps.dp_rank, ps.device))
+            loss.backward()
+            sharded.wait_for_gradients()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sharded.new_step()
+            losses.append(loss.detach().float())
+        results.append((torch.stack(losses), [p.full_tensor() for p in model.parameters()]))
+    (losses_a, params_a), (losses_b, params_b) = results
+    assert torch.equal(losses_a, losses_b), (losses_a, losses_b)
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))

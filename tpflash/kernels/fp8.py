@@ -51,6 +51,15 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: Optional[int],
     return x8, quant.reciprocal()
 
 
+class Fp8Weight(NamedTuple):
+    """A weight's e4m3 copy with its tensorwise scale, made by whoever holds the weight (fsdp=zero3 gathers
+    the blocks' weights this way: tpflash.parallel.zero3), found by the fp8 layers as the weight's
+    `fp8_weight` attribute: under the tensorwise recipe they multiply `row` instead of casting the
+    weight. The weights one GEMM stacks (q/k/v, up/gate) share one scale tensor and lie in adjacent rows."""
+    row: torch.Tensor  # the weight's shape, e4m3, row-major
+    scale: torch.Tensor  # 0-d fp32 dequantisation scale (quantize's), valid while the layer's forward runs
+
+
 class Fp8Cast(NamedTuple):
     """x in fp8, in the layouts asked for, and its fp32 dequantisation scale (quantize's)."""
     row: Optional[torch.Tensor]  # x's shape, contiguous

@@ -153,6 +153,13 @@ class ParallelAttention(nn.Module):
         if position == "rotary":
             self.rotary = RotaryEmbedding(self.head_dim, rope_theta, rope_scaling, max_positions)
 
+    def fp8_weight_groups(self) -> Optional[List[Tuple[torch.Tensor, ...]]]:
+        """The weights each of its fp8 GEMMs casts with one tensorwise scale (q/k/v stacked, o), or None
+        where a GEMM multiplies rows of a weight rather than the weight (replicated k/v)."""
+        if self.k_proj.replicated:
+            return None
+        return [(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), (self.o_proj.weight,)]
+
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
         """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once).
         (q_norm/k_norm weights are not cast: the norm kernel reads them in fp32, like the block norms'.)

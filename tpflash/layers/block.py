@@ -126,6 +126,15 @@ class ParallelTransformerBlock(nn.Module):
         a GEMM (None, or "activation", which remakes the MLP activation from the GEMMs' saved outputs)."""
         return not (self.fp8 == "tensorwise" and self.checkpoint in (None, "activation"))
 
+    def fp8_weight_groups(self) -> Optional[List[Tuple[torch.Tensor, ...]]]:
+        """Under fp8 tensorwise, the weights each projection GEMM casts with one scale (q/k/v, o, up/gate,
+        down): what a holder of the weights may hand the GEMMs pre-cast (kernels.fp8.Fp8Weight; fsdp=zero3
+        gathers them in fp8). None for other recipes, or where a GEMM does not multiply whole weights."""
+        if self.fp8 != "tensorwise":
+            return None
+        attn, mlp = self.attn.fp8_weight_groups(), self.mlp.fp8_weight_groups()
+        return None if attn is None or mlp is None else attn + mlp
+
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
         """The tensors the block's forward casts to the compute dtype, grouped as its layers stack them."""
         return self.attn.weight_cast_groups() + self.mlp.weight_cast_groups()

@@ -26,9 +26,12 @@ casts are tpflash.kernels.fp8.cast (fused Triton kernels on CUDA, quantize elsew
 each fp8 operand in the layout its GEMM takes it in: row-major first operands, column-major second
 ones (torch._scaled_mm's), so that no GEMM copies one; tensorwise writes x in both layouts from one
 read, casts stacked weights into one fp8 buffer without stacking them in fp32 (cast_stacked), and
-saves the column-major x and W for the backward. The GEMM itself is tpflash.kernels.fp8.scaled_mm
-(torch._scaled_mm on CUDA, the dequantised GEMM elsewhere); the forward GEMM uses cuBLASLt's fast
-accumulation, the gradients' GEMMs full accumulation, as torchao's and torchtitan's float8 do.
+saves the column-major x and W for the backward. Weights that carry their e4m3 copy
+(`kernels.fp8.Fp8Weight`: fsdp=zero3 gathers them so) are not cast under tensorwise: the GEMMs
+multiply the copy, and the backward's column-major W is its transpose. The GEMM itself is
+tpflash.kernels.fp8.scaled_mm (torch._scaled_mm on CUDA, the dequantised GEMM elsewhere); the forward
+GEMM uses cuBLASLt's fast accumulation, the gradients' GEMMs full accumulation, as torchao's and
+torchtitan's float8 do.
 """
 from __future__ import annotations
 
@@ -39,8 +42,9 @@ import torch.distributed as dist
 
 from ..kernels import column_sum
 from ..kernels.column_sum import concat_rows
-from ..kernels.fp8 import E4M3, E5M2, cast, cast_stacked, check_fp8_device, scaled_mm, tensor_amax
+from ..kernels.fp8 import E4M3, E5M2, Fp8Weight, cast, cast_stacked, check_fp8_device, scaled_mm, tensor_amax
 from ..parallel import comm
+from .weight_casts import adjacent_rows
 
 FP8_RECIPES = ("off", "rowwise", "tensorwise")
 
@@ -91,6 +95,23 @@ def _cast_input(x: torch.Tensor, recipe: str, sp: Optional[_Gather], amax: Optio
     return x8.reshape(-1, x8.shape[-1]), scale.reshape(-1, 1) if rowwise else scale
 
 
+def _given_fp8_weights(weights: Sequence[torch.Tensor]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(W8 [N, K] row-major, its 0-d scale) where the weights carry their e4m3 copies (kernels.fp8.Fp8Weight,
+    as fsdp=zero3 gathers them), else None. All or none must: the holder of such weights fills no
+    other copy of them."""
+    given: List[Optional[Fp8Weight]] = [getattr(w, "fp8_weight", None) for w in weights]
+    if all(g is None for g in given):
+        return None
+    scales = {g.scale.data_ptr() for g in given if g is not None}
+    if any(g is None for g in given) or len(scales) != 1:
+        raise RuntimeError("fp8 tensorwise: the weights of one GEMM must all carry their fp8 copies with one "
+                           f"scale (kernels.fp8.Fp8Weight); got {sum(g is not None for g in given)} of {len(given)} "
+                           f"with {len(scales)} scale(s)")
+    rows = [g.row for g in given]
+    w8 = rows[0] if len(rows) == 1 else adjacent_rows(rows, E4M3)
+    return (torch.cat(rows) if w8 is None else w8), given[0].scale
+
+
 _PARAMS = 6  # _Fp8Linear.apply's arguments before the weights and biases
 
 
@@ -115,7 +136,11 @@ class _Fp8Linear(torch.autograd.Function):
         else:
             x8, sx = _cast_input(x, recipe, sp, amaxes.input)  # [M, K]
             x8_saved = x8  # under sp row-major: scaled_mm copies it for dW
-        if tensorwise:  # [N, K] stacked in fp8, not in the weights' fp32
+        given = _given_fp8_weights(weights) if tensorwise else None
+        if given is not None:  # cast by their holder: the backward's column-major copy is one transpose
+            w8, sw = given
+            w8_col, sw = (w8.t().contiguous().t() if want_dx else None), sw.clone()  # the holder reuses its scale
+        elif tensorwise:  # [N, K] stacked in fp8, not in the weights' fp32
             w8, w8_col, sw = cast_stacked(weights, E4M3, col=want_dx)
         else:
             w = _stack(weights)  # [N, K], saved: the backward casts it per column

@@ -82,6 +82,14 @@ class ParallelMLP(nn.Module):
                                            process_group=sublayer_group(self.process_group), init_method=out_init_method,
                                            fp8=fp8, device=device, dtype=dtype)
 
+    def fp8_weight_groups(self) -> Optional[List[Tuple[torch.Tensor, ...]]]:
+        """The weights each of its fp8 GEMMs casts with one tensorwise scale (up/gate stacked, down), or
+        None on the fused-dense path (no fp8 GEMMs)."""
+        if self.fused_dense:
+            return None
+        up = (self.up_proj.weight,) if self.gate_proj is None else (self.up_proj.weight, self.gate_proj.weight)
+        return [up, (self.down_proj.weight,)]
+
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
         """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once):
         none on the fused-dense path, which casts its own; the activation kernel takes up_proj's bias as is."""

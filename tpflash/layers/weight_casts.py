@@ -98,7 +98,7 @@ def _lookup(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[tor
     return None
 
 
-def _adjacent_rows(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+def adjacent_rows(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """One view of the tensors stacked along dim 0 where they already are, in `dtype`, one after the
     other in one storage (fsdp=zero3's gathered weights: tpflash.parallel.zero3), else None. Not
     differentiable: for the layers' own autograd Functions, which compute each tensor's gradient."""
@@ -124,7 +124,7 @@ def stacked_cast(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.T
         return cached
     if len(tensors) == 1:
         return tensors[0].to(dtype)
-    adjacent = _adjacent_rows(tensors, dtype)
+    adjacent = adjacent_rows(tensors, dtype)
     if adjacent is not None:
         return adjacent
     out = torch.empty((sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:]),

@@ -31,11 +31,19 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
   tp-partial-gradient ones (norm weights under sequence parallelism: summed over tp in autograd at
   the end of the stack's backward), and every 1-D one (norms, biases) where the blocks' backward
   reads no weight (`Block.backward_reads_weights`: fp8 tensorwise GEMMs, whose backward multiplies
-  the fp8 copies its forward saved). The backward then gathers nothing: half the all-gathers.
+  the fp8 copies its forward saved). The backward then gathers nothing: half the all-gathers;
+- fp8 gathers: where, besides, the blocks' GEMMs cast whole weights with one tensorwise scale per
+  group they stack (`Block.fp8_weight_groups`: q/k/v, o, up/gate, down), the main slots are gathered
+  in fp8 instead: each rank casts its rows of a block (through the compute dtype, so the bits are
+  those of casting the gathered weights) with its group's scale, the groups' amaxes maxed over the
+  ranks first (one small all-reduce per block), and the e4m3 bytes are gathered, half of the compute
+  dtype's. Each leaf carries its fp8 copy and scale (`kernels.fp8.Fp8Weight`), which the GEMMs multiply
+  instead of casting the leaf; the leaves' own slots stay unfilled (their gradients still flow).
 
 Everything outside the blocks (embeddings, final norm, head) is left to FSDP2 on the model's root
 unit (`shard_blocks`): those run eagerly anyway. Communication per step is FSDP's (an all-gather in
-the forward and, unless the blocks' backward reads no weight, in the backward; a reduce-scatter);
+the forward, in fp8 under fp8 gathers, and, unless the blocks' backward reads no weight, in the
+backward; a reduce-scatter);
 memory per rank is the sharded fp32 weights, gradients and AdamW state (16 / dp bytes per
 parameter) plus the two compute slots and two reduction slots of one block (`bytes_per_rank`; a
 reduction slot is made on the first backward that uses it, in fp32 or in the compute dtype).
@@ -52,8 +60,10 @@ import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from ..kernels.fp8 import E4M3, Fp8Weight, cast
 from . import peer_collectives
 from .comm import all_gather_many, reduce_scatter_many
 from .state import ParallelState
@@ -79,7 +89,8 @@ class ShardedBlocks:
     dp * cp group, inside the blocks' forward and backward.
     """
 
-    def __init__(self, model: nn.Module, ps: ParallelState, compute_dtype: Optional[torch.dtype] = None):
+    def __init__(self, model: nn.Module, ps: ParallelState, compute_dtype: Optional[torch.dtype] = None,
+                 fp8_gathers: bool = True):
         self.group, self.ranks, self.rank = ps.dp_cp_group, ps.dp_cp_size, ps.dp_cp_rank
         self.blocks = list(getattr(model, "blocks", []))
         named, is_partial = block_parameters(self.blocks)
@@ -95,6 +106,8 @@ class ShardedBlocks:
         for kind, wanted in zip(KINDS, (False, True)):
             self.pieces[kind], *sizes[kind] = layout([x for x, res in zip(named[0], resident) if res == wanted],
                                                      self.ranks)
+        # per main piece, the fp8 group its GEMM casts it in (module docstring), or None: gathered as it is
+        self.fp8_group = self._fp8_groups(named[0]) if fp8_gathers and not self.regather else None
         self._allocate(len(self.blocks), sizes, master_dtype, device)
         self.leaves: List[Dict[str, torch.Tensor]] = []  # per block: path -> the leaf viewing its slot
         self.masters: List[Dict[str, nn.Parameter]] = []  # per block: path -> the DTensor master
@@ -118,6 +131,19 @@ class ShardedBlocks:
         self.new_step()
 
     # ---- construction -----------------------------------------------------------------------------
+    def _fp8_groups(self, named) -> Optional[List[int]]:
+        """Each main piece's index in block 0's `fp8_weight_groups()`, where every block has such groups and
+        they cover exactly the main pieces; else None."""
+        groups = [getattr(b, "fp8_weight_groups", lambda: None)() for b in self.blocks]
+        if any(g is None for g in groups):
+            return None
+        path_of = {id(p): path for path, p in named}
+        group_of = {path_of.get(id(t)): g for g, tensors in enumerate(groups[0]) for t in tensors}
+        paths = [piece.path for piece in self.pieces["main"]]
+        if None in group_of or sorted(group_of) != sorted(paths):
+            return None
+        return [group_of[path] for path in paths]
+
     def _allocate(self, n_blocks: int, sizes, master_dtype: torch.dtype, device) -> None:
         zeros = functools.partial(torch.zeros, device=device)
         slots = {"main": 2, "resident": n_blocks}  # compute and reduction slots; padded rows stay zero
@@ -131,6 +157,11 @@ class ShardedBlocks:
         self._staging = ({k: torch.empty(sizes[k][0], dtype=self.compute_dtype, device=device) for k in KINDS}
                          if self.compute_dtype != master_dtype else None)  # a block's shard cast, to gather
         self._scratch = {k: torch.empty(sizes[k][0], dtype=master_dtype, device=device) for k in KINDS}
+        if self.fp8_group is not None:  # fp8 gathers: two e4m3 slots, their groups' scales, a block's cast shard
+            self.slots8 = zeros(2, sizes["main"][1], dtype=E4M3)
+            self.scales8 = torch.ones(2, max(self.fp8_group) + 1, device=device)
+            self._staging8 = torch.empty(sizes["main"][0], dtype=E4M3, device=device)
+            self._fp8_index = torch.tensor(self.fp8_group, device=device)  # made here: a capture copies nothing in
 
     def _bind_block(self, i: int, params: Dict[str, nn.Parameter], mesh) -> None:
         """Block i's masters (its rows copied in, registered in its modules) and compute leaves."""
@@ -139,7 +170,7 @@ class ShardedBlocks:
         block = self.blocks[i]
         for kind in KINDS:
             slot = self.slots[kind][i % 2 if kind == "main" else i]
-            for piece in self.pieces[kind]:
+            for n, piece in enumerate(self.pieces[kind]):
                 p = params[piece.path]
                 start = min(self.rank * piece.chunk, p.shape[0])
                 real = min(piece.chunk, p.shape[0] - start)  # this rank's rows (the last ranks' may be fewer)
@@ -156,6 +187,9 @@ class ShardedBlocks:
                         master.to_local().copy_(p.detach()[start:start + real])
                 self._grad_views.append((master, sharded(self.grad[kind])))
                 leaf = slot[piece.full_start:piece.full_start + p.numel()].view(p.shape).requires_grad_()
+                if kind == "main" and self.fp8_group is not None:
+                    leaf.fp8_weight = Fp8Weight(self.slots8[i % 2, piece.full_start:piece.full_start + p.numel()]
+                                                .view(p.shape), self.scales8[i % 2, self.fp8_group[n]])
                 module, name = module_and_name(block, piece.path)
                 module._parameters[name] = master
                 leaves[piece.path], masters[piece.path] = leaf, master
@@ -194,6 +228,8 @@ class ShardedBlocks:
         if self._staging is not None:
             self._staging[kind].copy_(source)
             source = self._staging[kind]
+        if kind == "main" and self.fp8_group is not None:
+            return self._gather_fp8(source, slot)
         out = self._writable[kind][slot]
         fulls = [out[piece.full_start:piece.full_end] for piece in self.pieces[kind]]
         shards = [source[piece.shard_start:piece.shard_start + piece.shard_numel] for piece in self.pieces[kind]]
@@ -203,6 +239,29 @@ class ShardedBlocks:
             torch._foreach_copy_(fulls, shards)
         else:
             all_gather_many(fulls, shards, self.group)
+
+    def _gather_fp8(self, source: torch.Tensor, slot: int) -> None:
+        """A block's main shards (`source`, in the compute dtype) cast to e4m3 with their groups' scales,
+        each group's amax the maximum over every rank's rows, then gathered into fp8 slot `slot`."""
+        pieces = self.pieces["main"]
+        shards = [source[p.shard_start:p.shard_start + p.shard_numel] for p in pieces]
+        amaxes = torch.stack(torch._foreach_norm(shards, ord=float("inf"))).float()  # max |x| per piece
+        group_amax = torch.zeros(self.scales8.shape[1], device=source.device).scatter_reduce(
+            0, self._fp8_index, amaxes, "amax")
+        if self.ranks > 1:
+            dist.all_reduce(group_amax, op=dist.ReduceOp.MAX, group=self.group)
+        for piece, shard, group in zip(pieces, shards, self.fp8_group):
+            x8, _, scale = cast(shard.view(-1, piece.inner), E4M3, None, group_amax[group])
+            self._staging8[piece.shard_start:piece.shard_start + piece.shard_numel].copy_(x8.view(-1))
+            self.scales8[slot, group].copy_(scale)
+        out = self.slots8[slot].view(torch.uint8)  # as bytes: not every backend moves fp8 dtypes
+        fulls = [out[p.full_start:p.full_end] for p in pieces]
+        staged = self._staging8.view(torch.uint8)
+        shards8 = [staged[p.shard_start:p.shard_start + p.shard_numel] for p in pieces]
+        if self.ranks == 1:
+            torch._foreach_copy_(fulls, shards8)
+        else:
+            all_gather_many(fulls, shards8, self.group)
 
     def _prefetch(self, block: int) -> None:
         """Start gathering block `block`'s main parameters into its slot, unless it holds them for this pass."""
@@ -378,6 +437,8 @@ class ShardedBlocks:
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         staging = size(self._staging.values()) if self._staging else 0
+        if self.fp8_group is not None:
+            staging += size([self.slots8, self.scales8, self._staging8])
         return {"params": size(self.master.values()), "grads": size(self.grad.values()),
                 "adam_state": 2 * size(self.master.values()),
                 "slots": size(self.slots.values()) + size(self.reduce_slots.values()) + staging}  # made so far
@@ -422,12 +483,14 @@ class GraphSync:
         self.sharded._join()
 
 
-def shard_blocks(model: nn.Module, ps: ParallelState, compute_dtype: Optional[torch.dtype] = None) -> ShardedBlocks:
+def shard_blocks(model: nn.Module, ps: ParallelState, compute_dtype: Optional[torch.dtype] = None,
+                 fp8_gathers: bool = True) -> ShardedBlocks:
     """fsdp=zero3 for `model`: its blocks through ShardedBlocks, everything else with FSDP2 on the root
     unit (fp32 reduction; `compute_dtype` for its all-gathers too). Every parameter is then a DTensor
-    sharded over `ps.dp_cp_mesh`. Collective: call on every rank."""
+    sharded over `ps.dp_cp_mesh`. `fp8_gathers`: gather the blocks' weights in fp8 where their GEMMs
+    allow it (ShardedBlocks' docstring). Collective: call on every rank."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    sharded = ShardedBlocks(model, ps, compute_dtype)
+    sharded = ShardedBlocks(model, ps, compute_dtype, fp8_gathers)
     rest = [p for p in model.parameters() if not hasattr(p, "device_mesh")]
     if rest:
         fully_shard(model, mesh=ps.dp_cp_mesh, reshard_after_forward=False, ignored_params=set(sharded.master_params),
