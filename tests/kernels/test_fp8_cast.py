@@ -12,7 +12,7 @@ import torch
 
 from tests.kernels.helpers import DEVICE, compiled_for_h100, h100_program, needs_interpreter
 from tpflash.kernels import use_backend
-from tpflash.kernels.fp8 import E4M3, E5M2, FP8_MAX, cast, cast_stacked, quantize, tensor_amax
+from tpflash.kernels.fp8 import E4M3, E5M2, FP8_MAX, cast, cast_stacked, column_major, quantize, tensor_amax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FORMATS = pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -180,6 +180,30 @@ def test_a_column_major_cast_needs_a_matrix():
         cast(torch.ones(2, 3, 4), E4M3, None, col=True)
 
 
+def assert_column_major_copies_the_bytes(x8):
+    got = column_major(x8)
+    assert got.shape == x8.shape and got.stride() == (1, x8.shape[0])
+    assert torch.equal(_bits(got), _bits(x8))
+
+
+@needs_interpreter
+@FORMATS
+def test_column_major_copies_every_byte_into_the_transposed_storage(fp8):
+    # every byte value, in shapes that leave ragged tiles on both axes
+    x8 = torch.arange(13 * 21, dtype=torch.int64).remainder(256).to(torch.uint8).view(fp8).view(13, 21)
+    with use_backend("triton"):
+        assert_column_major_copies_the_bytes(x8)
+
+
+def test_on_cpu_column_major_is_torchs_copy():
+    assert_column_major_copies_the_bytes(torch.randn(5, 7).to(E4M3))
+
+
+def test_column_major_of_a_non_contiguous_matrix_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"column_major: x8 must be a contiguous 2-D tensor, got \(7, 5\)"):
+        column_major(torch.randn(5, 7).to(E4M3).t())
+
+
 def linears_on(backend, recipe, x, w, dy, pieces, device_type):
     """(y, dx, [dW_i]) of fp8_linears over w split by rows into `pieces` weights (stacked GEMMs)."""
     from tpflash.layers.fp8_linear import fp8_linears
@@ -219,7 +243,7 @@ _COMPILE_FOR_H100 = h100_program("fp8_cast", """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tpflash.kernels.fp8_cast_kernel import AMAX, CAST_TILE, FORMATS, _amax_kernel, _cast_kernel
+from tpflash.kernels.fp8_cast_kernel import AMAX, CAST_TILE, FORMATS, _amax_kernel, _cast_kernel, _transpose_kernel
 import torch
 amax_sig = {"X": "*bf16", "PARTIALS": "*fp32", "rows": "i32", "cols": "i32", "stride_row": "i64",
             "rows_per_split": "i32", "PER_COLUMN": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
@@ -238,13 +262,17 @@ for scale_by, row, col, block_r, block_c in ((0, True, False, 1, 2048), (1, Fals
     src = ASTSource(_cast_kernel, cast_sig, constexprs=dict(SCALE_BY=scale_by, WRITE_ROW=row, WRITE_COL=col,
         FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_A=1024))
     n += bool(triton.compile(src, target=target, options={"num_warps": 4}).asm["cubin"])
+src = ASTSource(_transpose_kernel, {"X": "*u8", "OUT": "*u8", "rows": "i32", "cols": "i32", "stride_out": "i32",
+                                    "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
+                constexprs=dict(BLOCK_R=CAST_TILE["BLOCK_R"], BLOCK_C=CAST_TILE["BLOCK_C"]))
+n += bool(triton.compile(src, target=target, options={"num_warps": CAST_TILE["WARPS"]}).asm["cubin"])
 print("compiled", n)
 """)
 
 
 def test_fp8_cast_kernels_compile_for_an_h100():
     # the interpreter lets through what Triton's compiler rejects (bias_activation's test says more)
-    assert "compiled 5" in compiled_for_h100(_COMPILE_FOR_H100)
+    assert "compiled 6" in compiled_for_h100(_COMPILE_FOR_H100)
 
 
 @pytest.mark.gpu
@@ -282,6 +310,13 @@ def test_nan_and_inf_come_out_as_in_quantize_on_gpu(scaling, fp8):
     out = got.row if row else got.col
     assert torch.equal(out.float().isnan(), x8.float().isnan())
     assert torch.equal(out.float().nan_to_num(), x8.float().nan_to_num())
+
+
+@pytest.mark.gpu
+def test_column_major_copies_every_byte_on_gpu():
+    x8 = torch.randint(0, 256, (11264, 2048), dtype=torch.uint8, device=DEVICE).view(E4M3)  # llama-1b's up/gate
+    assert_column_major_copies_the_bytes(x8)
+    assert_column_major_copies_the_bytes(x8[:1375, :1000].contiguous())
 
 
 @pytest.mark.gpu

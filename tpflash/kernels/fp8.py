@@ -140,6 +140,18 @@ def cast_stacked(tensors: Sequence[torch.Tensor], dtype: torch.dtype, col: bool 
     return Fp8Cast(x8, x8_col, scale)
 
 
+def column_major(x8: torch.Tensor) -> torch.Tensor:
+    """x8 [rows, cols] (fp8, contiguous) stored column-major: the same values with strides (1, rows),
+    the layout torch._scaled_mm takes its second operand in. A Triton copy on CUDA, else torch's."""
+    if x8.dim() != 2 or not x8.is_contiguous():
+        raise ValueError(f"column_major: x8 must be a contiguous 2-D tensor, got {tuple(x8.shape)} with "
+                         f"strides {x8.stride()}")
+    if x8.numel() == 0 or dispatch.pick(x8) != "triton":
+        return x8.t().contiguous().t()
+    from .fp8_cast_kernel import triton_column_major
+    return triton_column_major(x8)
+
+
 def _row_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
 

@@ -144,6 +144,17 @@ def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, rows, cols, stride_row, strid
                      mask=mask)
 
 
+@triton.jit
+def _transpose_kernel(X, OUT, rows, cols, stride_out, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # program (row block, column block): one [BLOCK_R, BLOCK_C] tile of x [rows, cols] (row-major bytes)
+    # stored into OUT's columns (OUT[c * stride_out + r]); the cast's column-major store, without the cast
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    x = tl.load(X + r.to(tl.int64)[:, None] * cols + c[None, :], mask=mask)
+    tl.store(OUT + c.to(tl.int64)[None, :] * stride_out + r[:, None], x, mask=mask)
+
+
 # Launches: [BLOCK_R, BLOCK_C] tiles and warps per kind of program. NOT YET TIMED ON A GPU: chosen by
 # reasoning, to be checked with benchmarks/fp8_cast.py. ROWS: one row per program, in tiles of up to
 # CAST_ROWS_MAX_C columns (a bf16 row of 4096 is 8 KB: the in-flight rows of all SMs stay in L2 for
@@ -224,3 +235,16 @@ def triton_cast(x: torch.Tensor, dtype: torch.dtype, scale_by: int, amax=None, r
             BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], BLOCK_A=BLOCK_A if x.is_cuda else INTERPRET_BLOCK_A,
             num_warps=cfg["WARPS"])
     return out_row, out_col, scale
+
+
+def triton_column_major(x8: torch.Tensor) -> torch.Tensor:
+    """x8 [rows, cols] (contiguous, one byte an element) stored column-major: [rows, cols] with strides
+    (1, rows), the .t() of a contiguous [cols, rows]. A copy at the cast's store speed (torch's strided
+    copy of one-byte elements is several times slower)."""
+    rows, cols = x8.shape
+    out = torch.empty(cols, rows, device=x8.device, dtype=x8.dtype)
+    cfg = CAST_TILE if x8.is_cuda else INTERPRET_LAUNCH
+    grid = (triton.cdiv(rows, cfg["BLOCK_R"]), triton.cdiv(cols, cfg["BLOCK_C"]))
+    _transpose_kernel[grid](x8.view(torch.uint8), out.view(torch.uint8), rows, cols, rows,  # as bytes: the
+                            BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["WARPS"])  # interpreter's fp8
+    return out.t()

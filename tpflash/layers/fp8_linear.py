@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..kernels import column_sum
 from ..kernels.column_sum import concat_rows
-from ..kernels.fp8 import E4M3, E5M2, Fp8Weight, cast, cast_stacked, check_fp8_device, scaled_mm, tensor_amax
+from ..kernels.fp8 import E4M3, E5M2, Fp8Weight, cast, cast_stacked, check_fp8_device, column_major, scaled_mm, tensor_amax
 from ..parallel import comm
 from .weight_casts import adjacent_rows
 
@@ -139,7 +139,7 @@ class _Fp8Linear(torch.autograd.Function):
         given = _given_fp8_weights(weights) if tensorwise else None
         if given is not None:  # cast by their holder: the backward's column-major copy is one transpose
             w8, sw = given
-            w8_col, sw = (w8.t().contiguous().t() if want_dx else None), sw.clone()  # the holder reuses its scale
+            w8_col, sw = (column_major(w8) if want_dx else None), sw.clone()  # the holder reuses its scale
         elif tensorwise:  # [N, K] stacked in fp8, not in the weights' fp32
             w8, w8_col, sw = cast_stacked(weights, E4M3, col=want_dx)
         else:
