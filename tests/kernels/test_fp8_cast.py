@@ -262,7 +262,8 @@ for scale_by, row, col, block_r, block_c in ((0, True, False, 1, 2048), (1, Fals
     src = ASTSource(_cast_kernel, cast_sig, constexprs=dict(SCALE_BY=scale_by, WRITE_ROW=row, WRITE_COL=col,
         FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_A=1024))
     n += bool(triton.compile(src, target=target, options={"num_warps": 4}).asm["cubin"])
-src = ASTSource(_transpose_kernel, {"X": "*u8", "OUT": "*u8", "rows": "i32", "cols": "i32", "stride_out": "i32",
+src = ASTSource(_transpose_kernel, {"X": "*u8", "OUT": "*u8", "rows": "i32", "cols": "i32", "stride_row": "i32",
+                                    "stride_out": "i32",
                                     "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
                 constexprs=dict(BLOCK_R=CAST_TILE["BLOCK_R"], BLOCK_C=CAST_TILE["BLOCK_C"]))
 n += bool(triton.compile(src, target=target, options={"num_warps": CAST_TILE["WARPS"]}).asm["cubin"])

@@ -13,7 +13,7 @@ How the scales are taken (SCALE_BY):
            them first, so no launch sits between the two kernels.
 The cast writes x8 row-major ([rows, cols] contiguous), column-major (the same matrix stored as a
 contiguous [cols, rows]: torch._scaled_mm's second operand, and the transpose of its first), or both
-from one read (16-bit x; fp32 x is read once per layout, see triton_cast). Scales follow quantize's
+from one read (16-bit x; for fp32 x, the row-major bytes transposed: see triton_cast). Scales follow quantize's
 formula, operation for operation: quant = (1 / max(amax, 1e-12)) * FP8_MAX (a Python float over a
 tensor is reciprocal-then-multiply in torch), scale = 1 / quant, both divisions IEEE-rounded (div_rn:
 Triton's `/` is approximate on CUDA). A NaN in a slice makes its amax, and so its whole slice, NaN,
@@ -145,13 +145,13 @@ def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, rows, cols, stride_row, strid
 
 
 @triton.jit
-def _transpose_kernel(X, OUT, rows, cols, stride_out, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _transpose_kernel(X, OUT, rows, cols, stride_row, stride_out, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # program (row block, column block): one [BLOCK_R, BLOCK_C] tile of x [rows, cols] (row-major bytes)
     # stored into OUT's columns (OUT[c * stride_out + r]); the cast's column-major store, without the cast
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
-    x = tl.load(X + r.to(tl.int64)[:, None] * cols + c[None, :], mask=mask)
+    x = tl.load(X + r.to(tl.int64)[:, None] * stride_row + c[None, :], mask=mask)
     tl.store(OUT + c.to(tl.int64)[None, :] * stride_out + r[:, None], x, mask=mask)
 
 
@@ -222,29 +222,35 @@ def triton_cast(x: torch.Tensor, dtype: torch.dtype, scale_by: int, amax=None, r
         cfg = INTERPRET_LAUNCH
     column_programs = 1 if scale_by == ROWS else triton.cdiv(cols, cfg["BLOCK_C"])
     fp8_max, mantissa, min_exp = FORMATS[dtype]
-    # Both layouts of an fp32 x: one launch per layout (x read twice; on every device, so the CPU tests
-    # run this path too). The kernel writing both
-    # from one read of fp32 x wrote wrong column-major bytes on an H200 (Triton 3.6) for shapes divisible
-    # by 16, while either store alone, and both from 16-bit x, are exact (tests/kernels/test_fp8_cast.py).
-    writes = [(True, False), (False, True)] if row and col and x.dtype == torch.float32 else [(row, col)]
-    for write_row, write_col in writes:
-        _cast_kernel[(triton.cdiv(rows, cfg["BLOCK_R"]), column_programs)](
-            x, out_row, out_col, scale, amax, rows, cols, x.stride(0), out_col.stride(1) if col else 0, amax_count,
-            SCALE_BY=scale_by,
-            WRITE_ROW=write_row, WRITE_COL=write_col, FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp,
-            BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], BLOCK_A=BLOCK_A if x.is_cuda else INTERPRET_BLOCK_A,
-            num_warps=cfg["WARPS"])
+    # Both layouts of an fp32 x: the row-major cast, then its bytes transposed (on every device, so the
+    # CPU tests run this path too). The kernel writing both from one read of fp32 x wrote wrong
+    # column-major bytes on an H200 (Triton 3.6) for shapes divisible by 16, whichever store came first
+    # and whether the tile went through bf16 or tl.trans, while either store alone, and both from 16-bit
+    # x, are exact (tests/kernels/test_fp8_cast.py). The transpose moves 2 bytes an element where a
+    # second cast would read fp32's 4 again and write 1.
+    transpose = row and col and x.dtype == torch.float32
+    _cast_kernel[(triton.cdiv(rows, cfg["BLOCK_R"]), column_programs)](
+        x, out_row, out_col, scale, amax, rows, cols, x.stride(0), out_col.stride(1) if col else 0, amax_count,
+        SCALE_BY=scale_by,
+        WRITE_ROW=row, WRITE_COL=col and not transpose, FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp,
+        BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], BLOCK_A=BLOCK_A if x.is_cuda else INTERPRET_BLOCK_A,
+        num_warps=cfg["WARPS"])
+    if transpose:
+        triton_column_major(out_row, out_col)
     return out_row, out_col, scale
 
 
-def triton_column_major(x8: torch.Tensor) -> torch.Tensor:
-    """x8 [rows, cols] (contiguous, one byte an element) stored column-major: [rows, cols] with strides
-    (1, rows), the .t() of a contiguous [cols, rows]. A copy at the cast's store speed (torch's strided
-    copy of one-byte elements is several times slower)."""
+def triton_column_major(x8: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+    """x8 [rows, cols] (row-major, last-dim stride 1, one byte an element) stored column-major: into
+    `out` ([rows, cols] with strides (1, ld), ld >= rows: rows of a larger column-major buffer) or a new
+    [rows, cols] with strides (1, rows), the .t() of a contiguous [cols, rows]. A copy at the cast's
+    store speed (torch's strided copy of one-byte elements is several times slower)."""
     rows, cols = x8.shape
-    out = torch.empty(cols, rows, device=x8.device, dtype=x8.dtype)
+    if out is None:
+        out = torch.empty(cols, rows, device=x8.device, dtype=x8.dtype).t()
     cfg = CAST_TILE if x8.is_cuda else INTERPRET_LAUNCH
     grid = (triton.cdiv(rows, cfg["BLOCK_R"]), triton.cdiv(cols, cfg["BLOCK_C"]))
-    _transpose_kernel[grid](x8.view(torch.uint8), out.view(torch.uint8), rows, cols, rows,  # as bytes: the
-                            BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["WARPS"])  # interpreter's fp8
-    return out.t()
+    # as bytes: the interpreter has no fp8 loads and stores
+    _transpose_kernel[grid](x8.view(torch.uint8), out.view(torch.uint8), rows, cols, x8.stride(0), out.stride(1),
+                            BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["WARPS"])
+    return out
