@@ -243,7 +243,7 @@ _COMPILE_FOR_H100 = h100_program("fp8_cast", """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tpflash.kernels.fp8_cast_kernel import AMAX, CAST_TILE, FORMATS, _amax_kernel, _cast_kernel, _transpose_kernel
+from tpflash.kernels.fp8_cast_kernel import AMAX_COLUMNS, AMAX_TENSOR, CAST_TILE, FORMATS, _amax_kernel, _cast_kernel, _transpose_kernel
 import torch
 amax_sig = {"X": "*bf16", "PARTIALS": "*fp32", "rows": "i32", "cols": "i32", "stride_row": "i64",
             "rows_per_split": "i32", "PER_COLUMN": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
@@ -252,10 +252,10 @@ cast_sig = {"X": "*bf16", "OUT_ROW": "*fp8e4nv", "OUT_COL": "*fp8e4nv", "SCALE":
 cast_sig.update({k: "constexpr" for k in ("SCALE_BY", "WRITE_ROW", "WRITE_COL", "FP8_MAX", "MANTISSA", "MIN_EXP",
                                           "BLOCK_R", "BLOCK_C", "BLOCK_A")})
 target, n = GPUTarget("cuda", 90, 32), 0
-for per_column in (True, False):
-    src = ASTSource(_amax_kernel, amax_sig, constexprs=dict(PER_COLUMN=per_column, BLOCK_R=AMAX["BLOCK_R"],
-                                                             BLOCK_C=AMAX["BLOCK_C"]))
-    n += bool(triton.compile(src, target=target, options={"num_warps": AMAX["WARPS"]}).asm["cubin"])
+for per_column, cfg in ((True, AMAX_COLUMNS), (False, AMAX_TENSOR)):
+    src = ASTSource(_amax_kernel, amax_sig, constexprs=dict(PER_COLUMN=per_column, BLOCK_R=cfg["BLOCK_R"],
+                                                             BLOCK_C=cfg["BLOCK_C"]))
+    n += bool(triton.compile(src, target=target, options={"num_warps": cfg["WARPS"]}).asm["cubin"])
 fp8_max, mantissa, min_exp = FORMATS[torch.float8_e4m3fn]
 for scale_by, row, col, block_r, block_c in ((0, True, False, 1, 2048), (1, False, True, CAST_TILE["BLOCK_R"],
         CAST_TILE["BLOCK_C"]), (2, True, True, CAST_TILE["BLOCK_R"], CAST_TILE["BLOCK_C"])):

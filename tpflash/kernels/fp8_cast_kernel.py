@@ -155,19 +155,20 @@ def _transpose_kernel(X, OUT, rows, cols, stride_row, stride_out, BLOCK_R: tl.co
     tl.store(OUT + c.to(tl.int64)[None, :] * stride_out + r[:, None], x, mask=mask)
 
 
-# Launches: [BLOCK_R, BLOCK_C] tiles and warps per kind of program. NOT YET TIMED ON A GPU: chosen by
-# reasoning, to be checked with benchmarks/fp8_cast.py. ROWS: one row per program, in tiles of up to
+# Launches: [BLOCK_R, BLOCK_C] tiles, warps and (amax passes) programs per SM, per kind of program.
+# Timed on an H200 at llama-1b's per-block shapes, each input out of L2 (docs/fp8.md, "Where the casts
+# and GEMMs run"): the casts move 2.4-2.8 TB/s and no tile of 32-128 rows by 64-256 columns was more
+# than 1.5% faster than 64 x 64 (whose column-major stores write 64 contiguous bytes per column;
+# Triton routes the transpose through shared memory). ROWS: one row per program, in tiles of up to
 # CAST_ROWS_MAX_C columns (a bf16 row of 4096 is 8 KB: the in-flight rows of all SMs stay in L2 for
-# their second read). COLUMNS / TENSOR casts: one square tile per program, so that the column-major
-# stores write 64 contiguous bytes per column (Triton routes the transpose through shared memory).
-# The amax pass: column_sum_kernel's tile (64 bf16 bytes of 128 rows, tuned there for a reduction
-# over rows) and PROGRAMS_PER_SM programs per SM, which also bounds the TENSOR partials every cast
-# program reduces (about 4 per SM: 2 KB, read from L2).
+# their second read). The tensor amax pass reads rows 256 bytes wide (bf16) with 8 programs per SM,
+# 11% faster than the per-column pass's tile (64 bf16 bytes of 128 rows, column_sum_kernel's, whose
+# few row splits keep the partial maxima each column cast reduces small).
 CAST_ROWS = {"BLOCK_R": 1, "WARPS": 4}
 CAST_ROWS_MAX_C = 4096
 CAST_TILE = {"BLOCK_R": 64, "BLOCK_C": 64, "WARPS": 4}
-AMAX = {"BLOCK_R": 128, "BLOCK_C": 32, "WARPS": 8}
-PROGRAMS_PER_SM = 4
+AMAX_COLUMNS = {"BLOCK_R": 128, "BLOCK_C": 32, "WARPS": 8, "PER_SM": 4}
+AMAX_TENSOR = {"BLOCK_R": 8, "BLOCK_C": 128, "WARPS": 8, "PER_SM": 8}
 BLOCK_A = 1024  # the TENSOR cast reduces the amax partials BLOCK_A at a time
 # CPU (interpreter): small tiles, so that tiny shapes have several tiles, loops and ragged edges
 INTERPRET_LAUNCH = {"BLOCK_R": 4, "BLOCK_C": 8, "WARPS": 1}
@@ -183,10 +184,10 @@ def triton_amax(x: torch.Tensor, per_column: bool) -> torch.Tensor:
     """Partial maxima of |x| (fp32), x [rows, cols] (any row stride, last-dim stride 1): [splits, cols]
     per column, else [splits * column blocks], whose max is the amax of x."""
     rows, cols = x.shape
-    cfg = AMAX if x.is_cuda else INTERPRET_LAUNCH
+    cfg = (AMAX_COLUMNS if per_column else AMAX_TENSOR) if x.is_cuda else dict(INTERPRET_LAUNCH, PER_SM=4)
     sms = _sm_count(x.device) if x.is_cuda else INTERPRET_SMS
     column_blocks = triton.cdiv(cols, cfg["BLOCK_C"])
-    splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, column_blocks), triton.cdiv(rows, cfg["BLOCK_R"])))
+    splits = max(1, min(triton.cdiv(cfg["PER_SM"] * sms, column_blocks), triton.cdiv(rows, cfg["BLOCK_R"])))
     rows_per_split = triton.cdiv(triton.cdiv(rows, splits), cfg["BLOCK_R"]) * cfg["BLOCK_R"]
     splits = triton.cdiv(rows, rows_per_split)
     partials = torch.empty(splits, cols if per_column else column_blocks, device=x.device, dtype=torch.float32)
