@@ -162,6 +162,25 @@ def test_zero3_holds_a_dp_share_of_the_blocks_state_and_two_slots_of_one_block(r
         assert held["slots"] == (2 + 2) * 4 * block0, held  # two compute and two reduction slots of one block, fp32
 
 
+def fp8_slots_body():
+    ps = init_tp(1)
+    held = {}
+    for fp8_gathers in (False, True):
+        model, _ = twins(_config(False, fp8="tensorwise"), ps.device)
+        sharded = shard_blocks(model, ps, compute_dtype=torch.bfloat16, fp8_gathers=fp8_gathers)
+        held[fp8_gathers] = sharded.bytes_per_rank()["slots"]
+        main_numel = sharded.slots["main"].shape[1]
+    return held, main_numel
+
+
+def test_under_fp8_gathers_the_main_slots_are_fp8_and_the_bf16_ones_hold_no_memory(ranks):
+    for held, main_numel in ranks(2).run(fp8_slots_body):
+        # two bf16 compute slots (2 bytes an element) replaced by two e4m3 ones (1 byte), plus the rank's
+        # cast shard (1 byte per element of its rows: main_numel / 2) and the scales; one bf16 element left
+        fp8_extra = held[True] - (held[False] - 2 * 2 * main_numel + 2)
+        assert 2 * main_numel + main_numel // 2 <= fp8_extra <= 2 * main_numel + main_numel // 2 + 64, (held, main_numel)
+
+
 def refusals_body():
     import torch.nn as nn
     from tests.train.tiny_model import TinyConfig, TinyLM

@@ -38,7 +38,8 @@ parallelism"). All blocks of a model have the same parameter shapes, which allow
   those of casting the gathered weights) with its group's scale, the groups' amaxes maxed over the
   ranks first (one small all-reduce per block), and the e4m3 bytes are gathered, half of the compute
   dtype's. Each leaf carries its fp8 copy and scale (`kernels.fp8.Fp8Weight`), which the GEMMs multiply
-  instead of casting the leaf; the leaves' own slots stay unfilled (their gradients still flow).
+  instead of casting the leaf; the leaves' own slots hold no memory (one element seen everywhere:
+  their gradients still flow).
 
 Everything outside the blocks (embeddings, final norm, head) is left to FSDP2 on the model's root
 unit (`shard_blocks`): those run eagerly anyway. Communication per step is FSDP's (an all-gather in
@@ -150,7 +151,11 @@ class ShardedBlocks:
         # masters and their gradients: [block, shard] (this rank's rows of every parameter, padded)
         self.master = {k: zeros(n_blocks, sizes[k][0], dtype=master_dtype) for k in KINDS}
         self.grad = {k: zeros(n_blocks, sizes[k][0], dtype=master_dtype) for k in KINDS}
-        self.slots = {k: zeros(slots[k], sizes[k][1], dtype=self.compute_dtype) for k in KINDS}
+        self.slots = {k: zeros(slots[k], sizes[k][1], dtype=self.compute_dtype) for k in KINDS
+                      if k != "main" or self.fp8_group is None}
+        if self.fp8_group is not None:  # the GEMMs read the fp8 slots: the leaves only carry gradients, so
+            # their slots are one element seen everywhere (the shapes autograd needs, no memory)
+            self.slots["main"] = zeros(1, dtype=self.compute_dtype).expand(slots["main"], sizes["main"][1])
         self._writable = {k: v.data for k, v in self.slots.items()}  # writes here leave autograd's versions alone
         self._slot_shapes = {k: (slots[k], sizes[k][1]) for k in KINDS}
         self.reduce_slots: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}  # made on first use: _reduction_slots
@@ -434,8 +439,8 @@ class ShardedBlocks:
     def bytes_per_rank(self) -> Dict[str, int]:
         """What this rank holds for the blocks: sharded weights and gradients, AdamW's two moments of the
         sharded weights, and the compute and reduction slots (with the cast shard they are gathered from)."""
-        def size(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
+        def size(tensors):  # the memory behind them (under fp8 gathers the main slots are one element)
+            return sum(t.untyped_storage().nbytes() for t in tensors)
         staging = size(self._staging.values()) if self._staging else 0
         if self.fp8_group is not None:
             staging += size([self.slots8, self.scales8, self._staging8])
