@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A full node of 8 GPUs, one part per call (each within 10 minutes), every row of a part from one call:
-#   OUT=<dir> bash benchmarks/node8.sh llama8b|tp|largest|stream|elastic
+#   OUT=<dir> bash benchmarks/node8.sh llama8b|fp8|tp|largest|stream|elastic
 # llama8b  llama-3-8b at seq 8192 (1 sequence per dp rank) with selective recomputation: zero3 at dp=8 and at
 #          tp=2 x dp=4, tp=8 alone (graphs), beside torchtitan at FSDP 8 and FSDP 4 x TP 2 with its selective AC
+# fp8      llama-3-8b at seq 2048 (2 sequences per dp rank), zero3 dp=8 in bf16 and fp8 tensorwise (the weights
+#          gathered in fp8), beside torchtitan FSDP 8 in bf16 and float8; one launch per row
 # tp       TP efficiency: gpt-2.7b at tp=1, 2, 4, 8 (tpflash-graphs; compiled DTensor TP at tp=8), gpt-6.7b at tp=8
 #          and at tp=4 x dp=2 (zero3)
 # largest  the trainer on the largest of llama-3-70b, codellama-34b, llama-2-13b that trains here (zero3 dp=8,
@@ -41,6 +43,13 @@ llama8b() {
   bench 8 200 "${e2e[@]}" --tp 1 --impls tpflash-graphs@zero3,torchtitan@fsdp
   bench 8 200 "${e2e[@]}" --tp 2 --impls tpflash-graphs@zero3,torchtitan@fsdp
   bench 8 150 "${e2e[@]}" --tp 8 --impls tpflash-graphs
+}
+
+fp8() {
+  local impl
+  for impl in tpflash-fp8-tensorwise@zero3 tpflash-graphs@zero3 torchtitan-fp8@fsdp torchtitan@fsdp; do
+    bench 8 150 --models llama-3-8b --batch 2 --seq 2048 --steps 5 --warmup 2 --tp 1 --impls "$impl"
+  done
 }
 
 tp() {
@@ -93,10 +102,10 @@ elastic() {
   rm -rf "$CKPT/el"
 }
 
-part=${1:?"which part: llama8b | tp | largest | stream | elastic"}
+part=${1:?"which part: llama8b | fp8 | tp | largest | stream | elastic"}
 case "$part" in
-  llama8b|tp|largest|stream|elastic) nvidia-smi -L; "$part" ;;
-  *) echo "unknown part $part: llama8b | tp | largest | stream | elastic"; exit 2 ;;
+  llama8b|fp8|tp|largest|stream|elastic) nvidia-smi -L; "$part" ;;
+  *) echo "unknown part $part: llama8b | fp8 | tp | largest | stream | elastic"; exit 2 ;;
 esac
 [ -f "$OUT/bench.jsonl" ] && python3 benchmarks/bench_e2e.py --table-only --results "$OUT/bench.jsonl"
 exit 0
