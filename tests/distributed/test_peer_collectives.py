@@ -11,15 +11,27 @@ from tests.distributed.test_comm import gather_along_seq_body, reduce_scatter_al
 from tpflash.parallel import comm
 
 
+def gather_by_piece(x, group, stream):
+    """A by-piece PeerAllGather of x, its parts read one at a time in rank order (not the order they
+    are pushed in) and stacked, on `stream` for the transfers as the overlapped layers do."""
+    from tpflash.parallel import peer_collectives
+    gather = peer_collectives.PeerAllGather(x, group, stream, keep=False, by_piece=True)
+    parts = [gather.piece(r).clone() for r in range(torch.distributed.get_world_size(group))]
+    gather.finish()
+    return torch.cat(parts)
+
+
 def copy_engine_body(tp):
-    """TPFLASH_COMM_BACKEND=copy_engine (peer memory) gives NCCL's results: all-gather bit for bit,
-    reduce-scatter too at tp=2 (one bf16 add either way), along dim 0 and 1, at sizes that are no
-    multiple of the buffer alignment, and in a long alternating sequence (the double buffer)."""
+    """TPFLASH_COMM_BACKEND=copy_engine (peer memory) gives NCCL's results: all-gather bit for bit
+    (read whole, or piece by piece as the overlapped layers read it), reduce-scatter too at tp=2 (one
+    bf16 add either way), along dim 0 and 1, at sizes that are no multiple of the buffer alignment,
+    and in a long alternating sequence (the double buffer)."""
     from tpflash.parallel import peer_collectives
     ps = init_tp(tp)
     assert ps.device.type == "cuda", "needs one GPU per rank"
     torch.manual_seed(ps.tp_rank)
     cases = [(tp * 1024, 4, 2048), (tp * 3, 5, 7), (tp * 17, 3)]
+    side = torch.cuda.Stream()
     for step in range(6):
         for shape in cases:
             full = torch.randn(*shape, device=ps.device, dtype=torch.bfloat16)
@@ -27,10 +39,11 @@ def copy_engine_body(tp):
             with environment(TPFLASH_COMM_BACKEND="copy_engine"):
                 assert peer_collectives.available(shard, ps.tp_group)
                 got = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
-                       comm.all_gather(full, 1, ps.tp_group)]
+                       comm.all_gather(full, 1, ps.tp_group), gather_by_piece(shard, ps.tp_group, side)]
             want = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
                     comm.all_gather(full, 1, ps.tp_group)]
             assert torch.equal(got[0], want[0]), f"all-gather {shape}"
+            assert torch.equal(got[3], want[0]), f"all-gather by piece {shape}"
             assert torch.equal(got[2], want[2]), f"all-gather dim 1 {shape}"
             if tp == 2:
                 assert torch.equal(got[1], want[1]), f"reduce-scatter {shape}"
@@ -132,8 +145,8 @@ def test_a_graph_epoch_left_by_an_error_issues_no_barrier():
 
 
 def graph_epoch_body(tp):
-    """Copy-engine collectives captured in CUDA graphs (one barrier per call, alternating buffers)
-    give NCCL's results when replays of two graphs, of an odd and an even number of calls,
+    """Copy-engine collectives captured in CUDA graphs (one barrier per call, alternating buffers; an
+    all-gather read piece by piece, with its signals) give NCCL's results when replays of two graphs, of an odd and an even number of calls,
     interleave with each other and with eager copy-engine calls, over rounds of changing inputs."""
     from tpflash.parallel import peer_collectives
     ps = init_tp(tp)
@@ -141,12 +154,14 @@ def graph_epoch_body(tp):
     shard = torch.randn(tp * 256, 8, 64, device=ps.device, dtype=torch.bfloat16)
     full = torch.randn(tp * 512, 8, 64, device=ps.device, dtype=torch.bfloat16)
 
+    side = torch.cuda.Stream()
+
     def odd():  # three calls
         g = peer_collectives.all_gather(shard, ps.tp_group)
         return g, peer_collectives.reduce_scatter(full, ps.tp_group), peer_collectives.all_gather(g[:tp * 256], ps.tp_group)
 
-    def even():  # two calls
-        return peer_collectives.reduce_scatter(full * 2, ps.tp_group), peer_collectives.all_gather(full, ps.tp_group)
+    def even():  # two calls, the gather read piece by piece (a signal per part beside the barrier)
+        return peer_collectives.reduce_scatter(full * 2, ps.tp_group), gather_by_piece(full, ps.tp_group, side)
 
     for fn in (odd, even):  # warm-up: sizes the workspace before capture
         fn()

@@ -195,10 +195,10 @@ class _GroupReduceScatter:
 
 
 def _all_gather(x: torch.Tensor, group, keep: bool = True):
-    """The all-gather of x over group, parts usable as they arrive; keep=False: `finish` need not
-    return the gathered tensor (the copy engines then copy nothing out)."""
+    """The all-gather of x over group, each rank's part usable as it arrives; keep=False: `finish`
+    need not return the gathered tensor (the copy engines then copy nothing out)."""
     if copy_engines_reach(x, group):
-        return peer_collectives.PeerAllGather(x, group, _side_stream(x.device), keep=keep)
+        return peer_collectives.PeerAllGather(x, group, _side_stream(x.device), keep=keep, by_piece=True)
     return _GroupAllGather(x, group)
 
 

@@ -137,16 +137,20 @@ class PeerAllGather:
     """An all-gather of x [n, ...] along dim 0 whose parts can be used as they arrive.
 
     Starts at construction, on `stream` (default: the current one): x is pushed into every peer's
-    buffer (at this rank's slot) and into `out`, a barrier waits for every rank's pushes, and the
-    arrived parts are copied into out [world*n, ...]. `piece(r)` makes the current stream wait for
-    the parts and returns rank r's [n, ...] (x itself for this rank; a peer's is a view of this
-    rank's buffer, valid until `finish`). `finish()` waits for everything, ends with the barrier
-    that frees the buffers (outside a graph_epoch), and returns out in rank order (None with
-    keep=False: the parts are only used through `piece`, and nothing is copied out). At most one
-    other call on the group may be issued in between, and the parts must be used before it finishes.
+    buffer (at this rank's slot), the previous rank first (it multiplies this rank's part first:
+    `order`), and into `out`; a barrier waits for every rank's pushes, and the arrived parts are
+    copied into out [world*n, ...]. `piece(r)` makes the current stream wait for rank r's part and
+    returns it, [n, ...] (x itself for this rank; a peer's is a view of this rank's buffer, valid
+    until `finish`): with by_piece and more than two ranks, for r's push alone (a signal r sends
+    after it), so that the first peer's rows are multiplied while the others' travel; otherwise
+    for the barrier. `finish()` waits for everything, ends with the barrier that frees the buffers
+    (outside a graph_epoch), and returns out in rank order (None with keep=False: the parts are
+    only used through `piece`, and nothing is copied out). At most one other call on the group may
+    be issued in between, and the parts must be used before it finishes.
     """
 
-    def __init__(self, x: torch.Tensor, group, stream: Optional[torch.cuda.Stream] = None, keep: bool = True):
+    def __init__(self, x: torch.Tensor, group, stream: Optional[torch.cuda.Stream] = None, keep: bool = True,
+                 by_piece: bool = False):
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.x = x.contiguous()
         self.slot = _slot_bytes(self.x.shape, self.x.dtype)
@@ -154,11 +158,16 @@ class PeerAllGather:
         self.buffer, self.in_epoch = _take_turn(self.ws)
         self.stream = stream or torch.cuda.current_stream()
         self.out = x.new_empty((self.world * x.shape[0],) + tuple(x.shape[1:])) if keep else None
+        # a signal channel per buffer: a call's signals are all taken by its own piece/finish, before
+        # the call two later (the same buffer, the same channel) sends again; channel 0 is the barrier's
+        self.channel = 1 + self.buffer if by_piece and self.world > 2 else None
         parts = self.out.chunk(self.world) if keep else ()
         _side_wait(self.stream)
         with torch.cuda.stream(self.stream):
-            for r in self.order()[1:]:  # pushes: NVLink writes ran faster than reads (docs/performance.md)
+            for r in reversed(self.order()[1:]):  # pushes: NVLink writes ran faster than reads (docs/overlap.md)
                 self._view(r, self.rank).copy_(self.x)
+                if self.channel is not None:
+                    self.ws.put_signal(r, self.channel)  # r may multiply this part now
             if keep:
                 parts[self.rank].copy_(self.x)
             self.ws.barrier()  # every rank's part is here
@@ -166,7 +175,7 @@ class PeerAllGather:
             self.arrived.record(self.stream)
             for r in self.order()[1:] if keep else ():
                 parts[r].copy_(self._view(self.rank, r))
-        self._waited = False
+        self._waited: set = set()  # peers whose part the current stream has waited for
 
     def _view(self, owner: int, slot: int) -> torch.Tensor:
         return self.ws.view(owner, (self.buffer * self.world + slot) * self.slot, self.x.shape, self.x.dtype)
@@ -178,12 +187,22 @@ class PeerAllGather:
     def piece(self, r: int) -> torch.Tensor:
         if r == self.rank:
             return self.x
-        if not self._waited:
-            torch.cuda.current_stream().wait_event(self.arrived)
-            self._waited = True
+        self._wait_for(r)
         return self._view(self.rank, r)
 
+    def _wait_for(self, r: int) -> None:
+        if r in self._waited:
+            return
+        if self.channel is not None:
+            self.ws.wait_signal(r, self.channel)  # on the current stream: r's part is in this rank's buffer
+        elif not self._waited:
+            torch.cuda.current_stream().wait_event(self.arrived)
+        self._waited.add(r)
+
     def finish(self) -> Optional[torch.Tensor]:
+        if self.channel is not None:  # take every signal of this call: the channel's next call sends again
+            for r in self.order()[1:]:
+                self._wait_for(r)
         _side_wait_back(self.stream)
         if not self.in_epoch:
             self.ws.barrier()  # every rank has read its buffer: they may be written again

@@ -44,6 +44,15 @@ class _Workspace:
         """Every rank's stream reaches this point before any goes on (a kernel; capturable)."""
         self.handle.barrier(channel=0)
 
+    def put_signal(self, rank: int, channel: int) -> None:
+        """Raise this rank's flag on `channel` in rank's signal pad, once everything queued before it on
+        the current stream is done (a kernel; it waits while the flag is still up from the last signal)."""
+        self.handle.put_signal(rank, channel)
+
+    def wait_signal(self, rank: int, channel: int) -> None:
+        """The current stream goes on once rank's flag on `channel` is up here, and lowers it (a kernel)."""
+        self.handle.wait_signal(rank, channel)
+
 
 _enabled_groups: set = set()
 
