@@ -21,9 +21,21 @@ def gather_by_piece(x, group, stream):
     return torch.cat(parts)
 
 
+def gather_whole(x, group, stream):
+    """A PeerAllGather of x with whole=True: its parts as one tensor (a clone), or None where the
+    slots are padded."""
+    from tpflash.parallel import peer_collectives
+    gather = peer_collectives.PeerAllGather(x, group, stream, keep=False, by_piece=True, whole=True)
+    whole = gather.whole()
+    whole = None if whole is None else whole.clone()
+    gather.finish()
+    return whole
+
+
 def copy_engine_body(tp):
     """TPFLASH_COMM_BACKEND=copy_engine (peer memory) gives NCCL's results: all-gather bit for bit
-    (read whole, or piece by piece as the overlapped layers read it), reduce-scatter too at tp=2 (one
+    (read whole, piece by piece as the overlapped layers read it, or as one view of this rank's
+    buffer where its slots hold no padding), reduce-scatter too at tp=2 (one
     bf16 add either way), along dim 0 and 1, at sizes that are no multiple of the buffer alignment,
     and in a long alternating sequence (the double buffer)."""
     from tpflash.parallel import peer_collectives
@@ -39,11 +51,16 @@ def copy_engine_body(tp):
             with environment(TPFLASH_COMM_BACKEND="copy_engine"):
                 assert peer_collectives.available(shard, ps.tp_group)
                 got = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
-                       comm.all_gather(full, 1, ps.tp_group), gather_by_piece(shard, ps.tp_group, side)]
+                       comm.all_gather(full, 1, ps.tp_group), gather_by_piece(shard, ps.tp_group, side),
+                       gather_whole(shard, ps.tp_group, side)]
             want = [comm.all_gather(shard, 0, ps.tp_group), comm.reduce_scatter(full, 0, ps.tp_group),
                     comm.all_gather(full, 1, ps.tp_group)]
             assert torch.equal(got[0], want[0]), f"all-gather {shape}"
             assert torch.equal(got[3], want[0]), f"all-gather by piece {shape}"
+            if shard.numel() * shard.element_size() % 512:  # padded slots: no whole view
+                assert got[4] is None, f"all-gather as one tensor {shape}"
+            else:
+                assert torch.equal(got[4], want[0]), f"all-gather as one tensor {shape}"
             assert torch.equal(got[2], want[2]), f"all-gather dim 1 {shape}"
             if tp == 2:
                 assert torch.equal(got[1], want[1]), f"reduce-scatter {shape}"

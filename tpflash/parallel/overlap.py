@@ -12,13 +12,14 @@ is one GEMM over the weights stacked (q/k/v, up/gate) as in tpflash.layers.autoc
   column forward   ys = all_gather(x) @ [W_1; ..; W_n]^T   this rank's rows are multiplied while the
                    copy engines move the others; each peer's rows are multiplied once they are here
   column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
-                   sent first; the weight-gradient GEMM runs while they travel (by rank, over x
-                   gathered again beside the first GEMM, unless x was kept); this rank's rows
+                   sent first; the weight-gradient GEMM runs while they travel (one GEMM over x
+                   gathered again beside the first GEMMs, unless x was kept); this rank's rows
                    last, their GEMM adding the parts received (two ranks: in its epilogue)
-  row forward      y = reduce_scatter(h @ W^T) + b         the same sends (in two GEMMs per peer, so that
-                   the own rows' GEMM, which adds the bias, covers the last transfer)
-  row backward     grad_h = all_gather(grad_y) @ W,         as the column forward, the weight gradient
-                   grad_W = sum_r piece_r^T h_r              summed piece by piece beside it
+  row forward      y = reduce_scatter(h @ W^T) + b         the same sends (the first peer's rows in two
+                   GEMMs, so that its transfer starts early; the own rows' GEMM, which adds the
+                   bias, covers the last transfer)
+  row backward     grad_h = all_gather(grad_y) @ W,         as the column forward, then the weight
+                   grad_W = all_gather(grad_y)^T h           gradient in one GEMM over the gathered grad_y
 
 Activations are sequence-first ([s/tp, b, feat] per rank), so "rank r's rows" are one contiguous
 block of [s*b, feat] and every piece is a plain GEMM into a slice of the output. Where the GPUs
@@ -172,6 +173,9 @@ class _GroupAllGather:
     def piece(self, r: int) -> torch.Tensor:
         return self.out.chunk(self.world)[r]
 
+    def whole(self) -> torch.Tensor:
+        return self.out
+
     def finish(self) -> torch.Tensor:
         return self.out
 
@@ -194,17 +198,20 @@ class _GroupReduceScatter:
         return self.finish(a @ w)
 
 
-def _all_gather(x: torch.Tensor, group, keep: bool = True):
+def _all_gather(x: torch.Tensor, group, keep: bool = True, whole: bool = False):
     """The all-gather of x over group, each rank's part usable as it arrives; keep=False: `finish`
-    need not return the gathered tensor (the copy engines then copy nothing out)."""
+    need not return the gathered tensor (the copy engines then copy nothing out); whole: `whole()`
+    may give every part as one tensor (or None: then by `piece`)."""
     if copy_engines_reach(x, group):
-        return peer_collectives.PeerAllGather(x, group, _side_stream(x.device), keep=keep, by_piece=True)
+        return peer_collectives.PeerAllGather(x, group, _side_stream(x.device), keep=keep, by_piece=True,
+                                              whole=whole)
     return _GroupAllGather(x, group)
 
 
 def _reduce_scatter(group, shape, like: torch.Tensor):
     if copy_engines_reach(like, group):
-        return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, _side_stream(like.device))
+        return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, _side_stream(like.device),
+                                                  concurrent=True)
     return _GroupReduceScatter(group, shape, like.dtype, like.device)
 
 
@@ -225,25 +232,27 @@ def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: to
 
 
 def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
-    """A row layer's two backward GEMMs over an all-gathered grad_y, rank by rank: grad_h[rows of r] =
-    piece(r) @ w, and the fp32 weight gradient sum_r piece(r)^T h[rows of r]. Summing the weight
-    gradient piece by piece gives this rank's rows twice the work to hide the first transfer behind."""
+    """A row layer's two backward GEMMs over an all-gathered grad_y: grad_h[rows of r] = piece(r) @ w,
+    rank by rank as the pieces arrive, then the fp32 weight gradient grad_y^T h."""
     m = grad_h.shape[0] // len(gather.order())
-    grad_w = None
     for r in gather.order():
-        rows, g = slice(r * m, (r + 1) * m), gather.piece(r)
-        torch.mm(g, w, out=grad_h[rows])
-        grad_w = weight_grad_fp32(g, h[rows], into=grad_w)
-    return grad_w
+        torch.mm(gather.piece(r), w, out=grad_h[r * m:(r + 1) * m])
+    return _weight_grad_with_gathered(gather, h, gathered_is_grad=True)
 
 
-def _weight_grad_over_gathered(grad_y: torch.Tensor, gather) -> torch.Tensor:
-    """grad_y^T all_gather(x) in fp32, summed rank by rank over the gathered pieces: grad_y [world*m,
-    out], pieces [m, in] -> [out, in]."""
-    m = grad_y.shape[0] // len(gather.order())
+def _weight_grad_with_gathered(gather, other: torch.Tensor, gathered_is_grad: bool) -> torch.Tensor:
+    """The fp32 weight gradient grad^T x where one of grad, x is the all-gathered tensor and `other`
+    [world*m, *] the other: one GEMM over every rank's rows where the gather gives them as one tensor
+    (a GEMM as long as tp=1's), else summed rank by rank over the pieces."""
+    whole = gather.whole()
+    if whole is not None:
+        return weight_grad_fp32(whole, other) if gathered_is_grad else weight_grad_fp32(other, whole)
+    m = other.shape[0] // len(gather.order())
     grad_w = None
     for r in gather.order():
-        grad_w = weight_grad_fp32(grad_y[r * m:(r + 1) * m], gather.piece(r), into=grad_w)
+        mine, piece = other[r * m:(r + 1) * m], gather.piece(r)
+        grad_w = weight_grad_fp32(piece, mine, into=grad_w) if gathered_is_grad else \
+            weight_grad_fp32(mine, piece, into=grad_w)
     return grad_w
 
 
@@ -255,7 +264,7 @@ def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[to
     return pending.finish(own)
 
 
-SEND_CHUNKS = 2  # GEMMs per peer's rows: the first transfer starts after half of that GEMM
+SEND_CHUNKS = 2  # GEMMs for the first peer's rows: its transfer starts after half of that GEMM
 
 
 def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None):
@@ -268,14 +277,15 @@ def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Te
 
 def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group):
     """(pending reduce-scatter of a @ w, this rank's rows of a): every peer's rows multiplied and sent,
-    SEND_CHUNKS GEMMs each. Chunking matters where the GEMM is short next to its transfer (a small
-    inner dimension, e.g. the attention's output projection), where the own GEMM alone would not
-    cover the last peer's transfer."""
+    the first peer's in SEND_CHUNKS GEMMs, so that the first transfer starts early, the others' in
+    one GEMM each (fewer, larger GEMMs; their transfers run on copy engines of their own beside the
+    first: PeerReduceScatter's `concurrent`). Chunking matters where the GEMM is short next to its
+    transfer (a small inner dimension, e.g. the attention's output projection)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     m = a.shape[0] // world
     pending = _reduce_scatter(group, (m, w.shape[1]), a)
-    for r in _peers_first(rank, world):
-        for rows in _chunks(m, SEND_CHUNKS):
+    for i, r in enumerate(_peers_first(rank, world)):
+        for rows in _chunks(m, SEND_CHUNKS if i == 0 else 1):
             pending.send(r, a[r * m + rows.start:r * m + rows.stop] @ w, rows.start)
     return pending, a[rank * m:(rank + 1) * m]
 
@@ -325,12 +335,12 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         else:
             grad_y = _rows(grads[0]).contiguous() if n == 1 else concat_rows(grads)  # no copy if already one buffer
         with _no_autocast(x_saved):
-            gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False)  # beside the GEMMs
+            gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False, whole=True)
             pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
             if gather is None:  # ... the weight gradient is computed
                 grad_w = weight_grad_fp32(grad_y, x_saved)
             else:
-                grad_w = _weight_grad_over_gathered(grad_y, gather)
+                grad_w = _weight_grad_with_gathered(gather, grad_y, gathered_is_grad=False)
             grad_w = grad_w.split(ctx.sizes)
             if has_bias:
                 grad_b = (column_sum(grad_y) if bias_sums is None else bias_sums).split(ctx.sizes)
@@ -363,7 +373,7 @@ class _RowLinearOverPeers(torch.autograd.Function):
         h, w = ctx.saved_tensors
         with _no_autocast(h):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
-            gather = _all_gather(grad_rows, ctx.group, keep=False)
+            gather = _all_gather(grad_rows, ctx.group, keep=False, whole=True)
             grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
             grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h)  # [out, in/tp]
             grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None

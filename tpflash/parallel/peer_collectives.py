@@ -133,6 +133,23 @@ def reachable(x: torch.Tensor, group) -> bool:
     return peer_access(group)
 
 
+_streams: Dict[tuple, torch.cuda.Stream] = {}  # (device, use) -> a stream of the collectives' own
+
+
+def _stream(device: torch.device, use: str) -> torch.cuda.Stream:
+    if (device, use) not in _streams:
+        _streams[(device, use)] = torch.cuda.Stream(device)
+    return _streams[(device, use)]
+
+
+def _signal_stream(device: torch.device) -> torch.cuda.Stream:
+    return _stream(device, "signals")
+
+
+def _spare_stream(device: torch.device, i: int) -> torch.cuda.Stream:
+    return _stream(device, f"spare {i}")
+
+
 class PeerAllGather:
     """An all-gather of x [n, ...] along dim 0 whose parts can be used as they arrive.
 
@@ -145,12 +162,16 @@ class PeerAllGather:
     after it), so that the first peer's rows are multiplied while the others' travel; otherwise
     for the barrier. `finish()` waits for everything, ends with the barrier that frees the buffers
     (outside a graph_epoch), and returns out in rank order (None with keep=False: the parts are
-    only used through `piece`, and nothing is copied out). At most one other call on the group may
-    be issued in between, and the parts must be used before it finishes.
+    only used through `piece`, and nothing is copied out). With whole=True and keep=False, x is also
+    copied into this rank's own slot beside the pushes, and `whole()` waits for every part and
+    returns them as one [world*n, ...] tensor, a view of this rank's buffer (valid until `finish`),
+    where the slots lie end to end (no padding; else None).
+    At most one other call on the group may be issued in between, and the parts must be used before
+    it finishes.
     """
 
     def __init__(self, x: torch.Tensor, group, stream: Optional[torch.cuda.Stream] = None, keep: bool = True,
-                 by_piece: bool = False):
+                 by_piece: bool = False, whole: bool = False):
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.x = x.contiguous()
         self.slot = _slot_bytes(self.x.shape, self.x.dtype)
@@ -167,9 +188,15 @@ class PeerAllGather:
             for r in reversed(self.order()[1:]):  # pushes: NVLink writes ran faster than reads (docs/overlap.md)
                 self._view(r, self.rank).copy_(self.x)
                 if self.channel is not None:
-                    self.ws.put_signal(r, self.channel)  # r may multiply this part now
+                    self._signal(r)
             if keep:
                 parts[self.rank].copy_(self.x)
+            # the parts as one tensor in this rank's buffer, where the slots hold exactly one part each
+            self.adjacent = whole and not keep and self.slot == self.x.numel() * self.x.element_size()
+            if self.adjacent:
+                self._view(self.rank, self.rank).copy_(self.x)
+                self.own_copied = torch.cuda.Event()
+                self.own_copied.record(self.stream)
             self.ws.barrier()  # every rank's part is here
             self.arrived = torch.cuda.Event()
             self.arrived.record(self.stream)
@@ -179,6 +206,16 @@ class PeerAllGather:
 
     def _view(self, owner: int, slot: int) -> torch.Tensor:
         return self.ws.view(owner, (self.buffer * self.world + slot) * self.slot, self.x.shape, self.x.dtype)
+
+    def _signal(self, r: int) -> None:
+        """Tell r its part has arrived, once the push queued last is done: from a stream of its own, so
+        that the next push starts without waiting for the signal kernel's launch."""
+        pushed = torch.cuda.Event()
+        pushed.record(self.stream)
+        signals = _signal_stream(self.x.device)
+        signals.wait_event(pushed)
+        with torch.cuda.stream(signals):
+            self.ws.put_signal(r, self.channel)
 
     def order(self) -> List[int]:
         """The ranks in the order their parts are best consumed: this rank's first (no wait), then the next ranks."""
@@ -199,10 +236,22 @@ class PeerAllGather:
             torch.cuda.current_stream().wait_event(self.arrived)
         self._waited.add(r)
 
+    def whole(self) -> Optional[torch.Tensor]:
+        """Every rank's part in rank order, [world*n, ...], once all are here (the current stream waits);
+        None unless asked for (whole=True, keep=False) and the slots hold no padding."""
+        if not self.adjacent:
+            return None
+        for r in self.order()[1:]:
+            self._wait_for(r)
+        torch.cuda.current_stream().wait_event(self.own_copied)
+        shape = (self.world * self.x.shape[0],) + tuple(self.x.shape[1:])
+        return self.ws.view(self.rank, self.buffer * self.world * self.slot, shape, self.x.dtype)
+
     def finish(self) -> Optional[torch.Tensor]:
         if self.channel is not None:  # take every signal of this call: the channel's next call sends again
             for r in self.order()[1:]:
                 self._wait_for(r)
+            _side_wait_back(_signal_stream(self.x.device))
         _side_wait_back(self.stream)
         if not self.in_epoch:
             self.ws.barrier()  # every rank has read its buffer: they may be written again
@@ -216,11 +265,13 @@ class PeerReduceScatter:
     [k, ...], into rank r's buffer (at this rank's slot) on `stream` (default: the current one),
     while the caller computes the next part; `finish(own)` adds every rank's part for this rank's
     rows to own [m, ...] (fp32 accumulation above two ranks) and returns the sum, `finish_matmul(a,
-    w)` the same for own = a @ w. Every peer gets all m rows, in one part or several.
+    w)` the same for own = a @ w. Every peer gets all m rows, in one part or several. With
+    `concurrent`, the parts for different peers travel on streams of their own (the first peer's
+    on `stream`), so that copy engines move them at once.
     """
 
     def __init__(self, group, shape, dtype: torch.dtype, device: torch.device,
-                 stream: Optional[torch.cuda.Stream] = None):
+                 stream: Optional[torch.cuda.Stream] = None, concurrent: bool = False):
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.shape, self.dtype = tuple(shape), dtype
         self.slot = _slot_bytes(self.shape, dtype)
@@ -228,14 +279,25 @@ class PeerReduceScatter:
         self.buffer, self.in_epoch = _take_turn(self.ws)
         self.stream = stream or torch.cuda.current_stream()
         self.sent: List[torch.Tensor] = []  # alive until the pushes are done
+        # concurrent: each peer's parts on a stream of their own (the side stream for the first peer), so
+        # that copy engines move the parts for different peers at once; every stream starts after the
+        # work queued on the side stream so far (the previous call's barrier: this call's turn)
+        self.spare = [_spare_stream(device, i) for i in range(self.world - 2)] if concurrent else []
+        for extra in self.spare:
+            extra.wait_stream(self.stream)
+        self.streams: Dict[int, torch.cuda.Stream] = {}  # peer -> the stream its parts travel on
 
     def _view(self, owner: int, slot: int) -> torch.Tensor:
         return self.ws.view(owner, (self.buffer * self.world + slot) * self.slot, self.shape, self.dtype)
 
     def send(self, r: int, part: torch.Tensor, row: int = 0) -> None:
         part = part.contiguous()
-        _side_wait(self.stream)
-        with torch.cuda.stream(self.stream):
+        if r not in self.streams:  # the n-th peer sent to takes the n-th stream (the side stream first)
+            streams = [self.stream, *self.spare]
+            self.streams[r] = streams[min(len(self.streams), len(streams) - 1)]
+        stream = self.streams[r]
+        _side_wait(stream)
+        with torch.cuda.stream(stream):
             self._view(r, self.rank)[row:row + part.shape[0]].copy_(part)
         self.sent.append(part)
 
@@ -260,7 +322,8 @@ class PeerReduceScatter:
         rows = sum(part.shape[0] for part in self.sent)
         if rows != (self.world - 1) * self.shape[0]:
             raise RuntimeError(f"PeerReduceScatter: {rows} rows sent, {(self.world - 1) * self.shape[0]} expected")
-        _side_wait_back(self.stream)
+        for stream in [self.stream, *self.spare]:
+            _side_wait_back(stream)
         self.ws.barrier()  # every rank's parts have arrived
         return [self._view(self.rank, r) for r in range(self.world) if r != self.rank]
 
