@@ -13,7 +13,10 @@ are plain `copy_`s between device pointers, which the copy engines carry without
 Both push (a rank writes into its peers' memory): on 2 H200s an NVLink write of 21 MiB ran at 333
 GiB/s, a read at 284. `PeerAllGather` and `PeerReduceScatter` are the same two collectives with
 their parts exposed, so that GEMMs can consume or produce them one rank's part at a time while
-the copy engines move the others on a side stream (tpflash.parallel.overlap).
+the copy engines move the others on a side stream (tpflash.parallel.overlap). Above two ranks a
+gather can also raise a flag per push in the receiver's signal pad (`by_piece`), so that a GEMM
+waits for its peer's part alone, and a reduce-scatter can send to different peers on streams of
+their own (`concurrent`), so that several copy engines run at once.
 
 Synchronisation (device-side barriers over a two-buffer workspace per group, one barrier per
 call inside a `graph_epoch`): tpflash.parallel.peer_workspace. Calls on a group must be issued in
