@@ -266,3 +266,44 @@ def test_overlap_matches_overlap_off_through_peer_memory(ranks):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     ranks(2).run(all_bodies, 2)
+
+
+class _PiecesOnly:
+    """A gather that gives its parts one by one and never as one tensor (as PeerAllGather does where
+    its slots are padded)."""
+
+    def __init__(self, full, world, rank):
+        self.parts, self.rank = full.chunk(world), rank
+
+    def order(self):
+        return [(self.rank + step) % len(self.parts) for step in range(len(self.parts))]
+
+    def piece(self, r):
+        return self.parts[r]
+
+    def whole(self):
+        return None
+
+
+class _OneTensor(_PiecesOnly):
+    """A gather that gives its parts as one tensor (PeerAllGather's whole(), the group's all-gather)."""
+
+    def __init__(self, full, world, rank):
+        super().__init__(full, world, rank)
+        self.full = full
+
+    def whole(self):
+        return self.full
+
+
+@pytest.mark.parametrize("gathered_is_grad", [True, False])
+def test_the_weight_gradient_summed_over_pieces_equals_the_one_gemm_over_the_gathered_rows(gathered_is_grad):
+    torch.manual_seed(0)
+    world, rows = 4, 6
+    gathered, other = torch.randn(world * rows, 5), torch.randn(world * rows, 7)
+    by_pieces = overlap._weight_grad_with_gathered(_PiecesOnly(gathered, world, rank=2), other, gathered_is_grad)
+    one_gemm = overlap._weight_grad_with_gathered(_OneTensor(gathered, world, rank=2), other, gathered_is_grad)
+    want = gathered.t() @ other if gathered_is_grad else other.t() @ gathered
+    assert by_pieces.dtype == one_gemm.dtype == torch.float32
+    assert_close(by_pieces, want, "summed over the pieces")
+    assert_close(one_gemm, want, "one GEMM")
