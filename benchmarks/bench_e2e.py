@@ -19,7 +19,7 @@ biases), with bf16 autocast over fp32 weights and AdamW (fused on CUDA):
   tpflash-graphs[-serial|-overlap]  the same with its blocks replayed as CUDA graphs
                         (capture_cuda_graphs): overlap as the library defaults it there (copy-engine
                         overlap where the GPUs map each other's memory), forced off, or forced on
-  tpflash-fp8-rowwise|-tensorwise  tpflash-graphs with GPTConfig(fp8=...): fp8 projection GEMMs
+  tpflash-fp8-rowwise|-tensorwise|-delayed  tpflash-graphs with GPTConfig(fp8=...): fp8 projection GEMMs
   plain[-compile]       the model written the way users write it (nn.Linear, nn.LayerNorm/RMSNorm, SDPA
                         with enable_gqa, F.cross_entropy), tp=1
   dtensor[-compile]     the plain model under parallelize_module (Colwise/Rowwise/SequenceParallel,
@@ -72,7 +72,8 @@ MODELS = {"gpt-1.3b": dict(d=2048, layers=24, heads=16), "gpt-2.7b": dict(d=2560
           "llama-1b": dict(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, family="llama"),
           "llama-3-8b": dict(d=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, family="llama"),
           "tiny-llama": dict(d=64, layers=2, heads=4, kv_heads=2, ffn=192, family="llama")}
-FP8 = {"tpflash-fp8-rowwise": "rowwise", "tpflash-fp8-tensorwise": "tensorwise"}  # graphed, like tpflash-graphs
+FP8 = {"tpflash-fp8-rowwise": "rowwise", "tpflash-fp8-tensorwise": "tensorwise",
+       "tpflash-fp8-delayed": "delayed"}  # graphed, like tpflash-graphs
 IMPLS = ("tpflash", "tpflash-nooverlap", "tpflash-graphs", "tpflash-graphs-serial", "tpflash-graphs-overlap",
          *FP8, "plain", "plain-compile", "dtensor", "dtensor-compile", *EXTERNAL)
 OVERLAPPED = ("tpflash", "tpflash-graphs-overlap")  # collectives overlapped with the GEMMs

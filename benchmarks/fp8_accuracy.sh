@@ -6,7 +6,7 @@
 #   python benchmarks/fp8_accuracy_plot.py /tmp/fp8acc/seed* --png fp8_accuracy.png   # tables + curves
 # SEEDS (default "1234 4321"): the seed sets the init and the data order. One run's fp8-vs-bf16 gap
 # at 1,000 steps moved by about 5% between seeds (docs/fp8.md, "Accuracy at scale"), so judge a recipe
-# on the mean over seeds. MODES (default "off rowwise tensorwise") selects the runs; overrides apply to
+# on the mean over seeds. MODES (default "off rowwise tensorwise delayed") selects the runs; overrides apply to
 # every run (e.g. a smaller model: --model.n_layer=4 --model.n_embd=256 ...). Each run's full log:
 # $OUT/seed<SEED>/<mode>/log.txt.
 # PEERS (default none; e.g. "bf16 torchao-tensorwise torchao-rowwise") adds runs of the plain-PyTorch
@@ -19,7 +19,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=$(command -v python3 || command -v python)
 for seed in ${SEEDS:-1234 4321}; do
   dir=$OUT/seed$seed
-  for mode in ${MODES:-off rowwise tensorwise}; do
+  for mode in ${MODES:-off rowwise tensorwise delayed}; do
     mkdir -p "$dir/$mode"
     rm -f "$dir/$mode/metrics.jsonl"  # the trainer appends; one run per directory
     echo "== seed $seed, fp8=$mode ==" >&2

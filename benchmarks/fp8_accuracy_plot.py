@@ -22,10 +22,10 @@ import math
 import os
 from typing import Dict, List
 
-MODES = ("off", "rowwise", "tensorwise")  # tpflash's trainer, --model.fp8=MODE
+MODES = ("off", "rowwise", "tensorwise", "delayed")  # tpflash's trainer, --model.fp8=MODE
 PEER_MODES = ("bf16", "torchao-tensorwise", "torchao-rowwise")  # fp8_accuracy_peer.py --mode MODE
 # the run each mode's "vs" columns compare with: the same model with bf16 GEMMs (none for off itself)
-BASELINE = {"rowwise": "off", "tensorwise": "off", "bf16": "off",
+BASELINE = {"rowwise": "off", "tensorwise": "off", "delayed": "off", "bf16": "off",
             "torchao-tensorwise": "bf16", "torchao-rowwise": "bf16"}
 
 

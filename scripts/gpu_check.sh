@@ -111,7 +111,7 @@ fp8_bench() {
   e2e="$e2e --results $OUT/bench_e2e.jsonl"
   echo "== training step, one GPU: tpflash bf16 and fp8, plain-compile =="
   timeout 290 $RUN --nproc_per_node=1 $e2e --tp 1 \
-    --impls tpflash-graphs,tpflash-fp8-rowwise,tpflash-fp8-tensorwise,plain-compile 2>&1 | grep "bench_e2e\]\|Error"
+    --impls tpflash-graphs,tpflash-fp8-rowwise,tpflash-fp8-tensorwise,tpflash-fp8-delayed,plain-compile 2>&1 | grep "bench_e2e\]\|Error"
   echo "== training step, one GPU: torchtitan, torchao float8, Liger =="
   timeout 290 $RUN --nproc_per_node=1 $e2e --tp 1 --impls torchtitan,torchtitan-fp8,torchao-fp8-compile,\
 torchao-fp8-tensorwise-compile,liger 2>&1 | grep "bench_e2e\]\|Error"

@@ -244,11 +244,11 @@ def test_the_fp8_linear_gemms_on_cuda_take_the_formats_and_scales_of_the_recipe(
 
 
 def test_unknown_recipe_is_one_clear_error():
-    with pytest.raises(ValueError, match=r"fp8='fp4' must be one of \('off', 'rowwise', 'tensorwise'\)"):
+    with pytest.raises(ValueError, match=r"fp8='fp4' must be one of \('off', 'rowwise', 'tensorwise', 'delayed'\)"):
         GPTConfig.preset("llama-tiny", fp8="fp4")
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])
 def test_a_gpt_with_fp8_projections_trains_close_to_full_precision(recipe):
     def curve(fp8):
         torch.manual_seed(0)
@@ -288,7 +288,7 @@ def test_fp8_linear_on_cuda_equals_the_gemms_of_fake_quantised_operands(recipe):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])
 def test_a_graphed_fp8_gpt_trains_like_the_eager_one(device, recipe):
     """The blocks captured as CUDA graphs (on CPU the replay's eager stand-in) with fp8 GEMMs: the casts
     and _scaled_mm run inside the capture, and the replays give the eager model's losses. Shapes are

@@ -80,7 +80,8 @@ def fp8_gpt_curve_body(tp, sequence_parallel, recipe, family="llama", steps=20):
 
 
 @pytest.mark.parametrize("recipe,sequence_parallel,family", [("rowwise", True, "llama"), ("tensorwise", False, "llama"),
-                                                             ("rowwise", False, "gpt2"), ("tensorwise", True, "gpt2")])
+                                                             ("rowwise", False, "gpt2"), ("tensorwise", True, "gpt2"),
+                                                             ("delayed", True, "llama")])
 def test_a_gpt_with_fp8_trains_at_tp2_like_one_process(ranks, recipe, sequence_parallel, family):
     for tp2, single, exact in ranks(2).run(fp8_gpt_curve_body, 2, sequence_parallel, recipe, family):
         assert tp2[-1] < 4.0  # it learned: ln(101) = 4.6 at the start
@@ -117,3 +118,27 @@ def fp8_gather_body(tp, recipe):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_fp8_all_gather_equals_gathering_then_casting(ranks, tp, recipe):
     ranks(tp).run(fp8_gather_body, tp, recipe)
+
+
+def delayed_histories_body(tp):
+    """Every rank's amax histories after a few steps of a delayed-scaling GPT under SP: they must agree,
+    since the ranks gather each other's fp8 activations with the scales taken from them."""
+    from tests.distributed.test_gpt import batch, tiny_config
+    from tpflash.models import GPT
+    ps = init_tp(tp)
+    torch.manual_seed(0)
+    model = GPT(tiny_config("llama", True, fp8="delayed"), process_group=ps.tp_group)
+    for step in range(3):
+        idx, targets = batch(seed=100 + step)
+        model(idx, targets).backward()
+    model(idx, targets)  # its advance reduces the last step's amaxes
+    table = model.fp8_history.table[:, 1:].contiguous()  # [:, 0]: this forward's, this rank's own
+    tables = [torch.empty_like(table) for _ in range(tp)]
+    torch.distributed.all_gather(tables, table, group=ps.tp_group)
+    return [torch.equal(t, table) for t in tables], bool((table[:, :3] > 0).all())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_delayed_amax_histories_agree_over_tp(ranks, tp):
+    for agree, recorded in ranks(tp).run(delayed_histories_body, tp):
+        assert all(agree) and recorded

@@ -71,7 +71,8 @@ def trains_like_the_reference_body(tp, graphed, micro_batches=1, checkpointing=F
                 sharded.new_step()
         assert_close(sum(losses[:micro_batches]), sum(losses[micro_batches:]), f"step {step}: loss", tol=tol)
     if graphed:
-        assert model._graphed_blocks.forward_generation == STEPS * micro_batches, "the replays did not run"
+        primes = fp8 == "delayed"  # the first forward records the amax histories, eagerly
+        assert model._graphed_blocks.forward_generation == STEPS * micro_batches - primes, "the replays did not run"
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert hasattr(p, "device_mesh"), f"{name} is not sharded"
         if name.endswith("k_proj.bias"):  # its exact gradient is 0 (softmax ignores a shift of every key):
@@ -108,7 +109,7 @@ def test_zero3_in_bf16_computes_what_fsdp2_with_bf16_parameters_computes(ranks, 
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])
 def test_zero3_with_fp8_gemms_computes_what_fsdp2_with_them_computes(ranks, recipe, graphed):
     ranks(2).run(trains_like_the_reference_body, 1, graphed, 1, False, 64, True, recipe)
 

@@ -248,8 +248,8 @@ import torch
 amax_sig = {"X": "*bf16", "PARTIALS": "*fp32", "rows": "i32", "cols": "i32", "stride_row": "i64",
             "rows_per_split": "i32", "PER_COLUMN": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
 cast_sig = {"X": "*bf16", "OUT_ROW": "*fp8e4nv", "OUT_COL": "*fp8e4nv", "SCALE": "*fp32", "AMAX": "*fp32",
-            "rows": "i32", "cols": "i32", "stride_row": "i64", "stride_col": "i64", "amax_count": "i32"}
-cast_sig.update({k: "constexpr" for k in ("SCALE_BY", "WRITE_ROW", "WRITE_COL", "FP8_MAX", "MANTISSA", "MIN_EXP",
+            "RECORD": "*i32", "rows": "i32", "cols": "i32", "stride_row": "i64", "stride_col": "i64", "amax_count": "i32"}
+cast_sig.update({k: "constexpr" for k in ("SCALE_BY", "PAST_AMAX", "WITH_RECORD", "WRITE_ROW", "WRITE_COL", "FP8_MAX", "MANTISSA", "MIN_EXP",
                                           "BLOCK_R", "BLOCK_C", "BLOCK_A")})
 target, n = GPUTarget("cuda", 90, 32), 0
 for per_column, cfg in ((True, AMAX_COLUMNS), (False, AMAX_TENSOR)):
@@ -257,9 +257,11 @@ for per_column, cfg in ((True, AMAX_COLUMNS), (False, AMAX_TENSOR)):
                                                              BLOCK_C=cfg["BLOCK_C"]))
     n += bool(triton.compile(src, target=target, options={"num_warps": cfg["WARPS"]}).asm["cubin"])
 fp8_max, mantissa, min_exp = FORMATS[torch.float8_e4m3fn]
-for scale_by, row, col, block_r, block_c in ((0, True, False, 1, 2048), (1, False, True, CAST_TILE["BLOCK_R"],
-        CAST_TILE["BLOCK_C"]), (2, True, True, CAST_TILE["BLOCK_R"], CAST_TILE["BLOCK_C"])):
-    src = ASTSource(_cast_kernel, cast_sig, constexprs=dict(SCALE_BY=scale_by, WRITE_ROW=row, WRITE_COL=col,
+tile = (CAST_TILE["BLOCK_R"], CAST_TILE["BLOCK_C"])
+for scale_by, past, row, col, (block_r, block_c) in ((0, False, True, False, (1, 2048)), (1, False, False, True, tile),
+                                                     (2, False, True, True, tile), (2, True, True, True, tile)):
+    src = ASTSource(_cast_kernel, cast_sig, constexprs=dict(SCALE_BY=scale_by, PAST_AMAX=past, WITH_RECORD=past,
+        WRITE_ROW=row, WRITE_COL=col,
         FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_A=1024))
     n += bool(triton.compile(src, target=target, options={"num_warps": 4}).asm["cubin"])
 src = ASTSource(_transpose_kernel, {"X": "*u8", "OUT": "*u8", "rows": "i32", "cols": "i32", "stride_row": "i32",
@@ -273,7 +275,7 @@ print("compiled", n)
 
 def test_fp8_cast_kernels_compile_for_an_h100():
     # the interpreter lets through what Triton's compiler rejects (bias_activation's test says more)
-    assert "compiled 6" in compiled_for_h100(_COMPILE_FOR_H100)
+    assert "compiled 7" in compiled_for_h100(_COMPILE_FOR_H100)
 
 
 @pytest.mark.gpu

@@ -86,56 +86,110 @@ def _triton_scaling(x: torch.Tensor, dim: Optional[int], amax: Optional[torch.Te
     return 0 if dim == x.dim() - 1 else 1 if dim == 0 and x.dim() == 2 else None
 
 
+def past_amax(history: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The amax a delayed-scaling cast scales by (0-d fp32): the maximum of an amax history's previous
+    entries, history[1:] (history [n]: [0] collects this step's amaxes); an all-zero history (nothing
+    recorded yet, or all-zero tensors) gives the format's largest value, a scale of 1. NaN stays."""
+    past = history[1:].amax()
+    return torch.where(past == 0, torch.full_like(past, FP8_MAX[dtype]), past)
+
+
+def record_amax(record: torch.Tensor, x: torch.Tensor) -> None:
+    """record (1-element fp32) = max(record, max |x|), NaN winning."""
+    record.copy_(torch.maximum(record, amax_of(x, None).reshape(record.shape)))
+
+
+def _check_record(record: Optional[torch.Tensor]) -> None:
+    if record is not None and (record.numel() != 1 or record.dtype != torch.float32):
+        raise ValueError(f"record must be a 1-element float32 tensor, got {tuple(record.shape)} {record.dtype}")
+
+
 def cast(x: torch.Tensor, dtype: torch.dtype, dim: Optional[int], amax: Optional[torch.Tensor] = None,
-         row: bool = True, col: bool = False) -> Fp8Cast:
+         row: bool = True, col: bool = False, record: Optional[torch.Tensor] = None) -> Fp8Cast:
     """quantize(x, dtype, dim, amax), bit for bit, with x8 written row-major (`row`), column-major
     (`col`, x 2-D) or both from one read. x [*, K] (any dtype; last-dim stride 1 avoids a copy).
+    record (dim None only): a 1-element fp32 tensor that max |x| is max-ed into (record_amax), in
+    the cast's pass over x on the Triton path (an amax history's current entry: cast_delayed).
 
     Triton on CUDA for bf16/fp16/fp32 x (fp8_cast_kernel): dim=-1 reads x once; dim=0 (2-D x) and
     dim=None twice (amax, then cast), once with a given 0-d amax. Elsewhere quantize, and a copy for
     the column-major layout."""
     if col and x.dim() != 2:
         raise ValueError(f"cast: a column-major x8 needs a 2-D x, not {tuple(x.shape)}")
+    if record is not None and dim is not None:
+        raise ValueError(f"cast: record takes the amax of the whole tensor, so dim must be None, not {dim}")
+    _check_record(record)
     scale_by = _triton_scaling(x, dim, amax)
     if scale_by is None:
         x8, scale = quantize(x, dtype, dim, amax)
+        if record is not None:
+            record_amax(record, x)
         return Fp8Cast(x8 if row else None, x8.t().contiguous().t() if col else None, scale)
+    given = None if amax is None else amax.reshape(1).float()
+    return _triton(x, dtype, scale_by, given, row, col, record=record)
+
+
+def _triton(x: torch.Tensor, dtype: torch.dtype, scale_by: int, amax: Optional[torch.Tensor], row: bool, col: bool,
+            past: bool = False, record: Optional[torch.Tensor] = None) -> Fp8Cast:
     if dtype not in FP8_MAX:
         raise ValueError(f"fp8 dtype {dtype} must be torch.float8_e4m3fn or torch.float8_e5m2")
     from .fp8_cast_kernel import triton_cast
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    given = None if amax is None else amax.reshape(1).float()
-    x8, x8_col, scale = triton_cast(x2, dtype, scale_by, given, row, col)
+    x8, x8_col, scale = triton_cast(x2, dtype, scale_by, amax, row, col, past=past, record=record)
     return Fp8Cast(None if x8 is None else x8.view(x.shape), x8_col,
                    scale.view(*x.shape[:-1], 1) if scale_by == 0 else scale)
 
 
-def cast_stacked(tensors: Sequence[torch.Tensor], dtype: torch.dtype, col: bool = False) -> Fp8Cast:
+def cast_delayed(x: torch.Tensor, dtype: torch.dtype, history: torch.Tensor, row: bool = True,
+                 col: bool = False) -> Fp8Cast:
+    """Delayed scaling: quantize(x, dtype, None, past_amax(history, dtype)) bit for bit, and max |x|
+    max-ed into history[0] (record_amax), x read once. history: x's amax history, [n] fp32 (n >= 2),
+    history[1:] the previous steps'. Layouts as in cast."""
+    if history.dim() != 1 or history.numel() < 2 or history.dtype != torch.float32 or history.stride(0) != 1:
+        raise ValueError(f"cast_delayed: history must be a contiguous 1-D float32 tensor of 2 or more entries, "
+                         f"got {tuple(history.shape)} {history.dtype}")
+    if col and x.dim() != 2:
+        raise ValueError(f"cast: a column-major x8 needs a 2-D x, not {tuple(x.shape)}")
+    if _triton_scaling(x, None, None) is None:
+        return cast(x, dtype, None, past_amax(history, dtype), row, col, record=history[:1])
+    from .fp8_cast_kernel import TENSOR
+    return _triton(x, dtype, TENSOR, history[1:], row, col, past=True, record=history[:1])
+
+
+def cast_stacked(tensors: Sequence[torch.Tensor], dtype: torch.dtype, col: bool = False,
+                 history: Optional[torch.Tensor] = None, delayed: bool = False) -> Fp8Cast:
     """cast(torch.cat(tensors), dtype, None, col=col) bit for bit: one scale for the row-stack of 2-D
     tensors [n_i, K] (stacked weights: q/k/v, up/gate), x8 [sum n_i, K] row-major and, with `col`,
-    column-major too.
+    column-major too. history: the stack's amax history ([n] fp32, as cast_delayed's), whose entry [0]
+    the stack's amax is max-ed into; with `delayed`, the scale is past_amax(history) (cast_delayed).
 
-    On CUDA no stacked copy in the tensors' dtype is made: each tensor's partial maxima are taken,
-    then each is cast, with the maximum of all of them, into its rows of the stacked fp8 buffers
-    (the column-major one: columns of a contiguous [K, sum n_i]). Elsewhere the stack is cast."""
+    On CUDA no stacked copy in the tensors' dtype is made: each tensor's partial maxima are taken
+    (not under `delayed`), then each is cast, with the maximum of all of them, into its rows of the
+    stacked fp8 buffers (the column-major one: columns of a contiguous [K, sum n_i]). Elsewhere the
+    stack is cast."""
     if not tensors or any(t.dim() != 2 or t.shape[1] != tensors[0].shape[1] for t in tensors):
         raise ValueError(f"cast_stacked: the tensors must be 2-D with one width, [n_i, K]; got "
                          f"{[tuple(t.shape) for t in tensors]}")
+    if delayed and history is None:
+        raise ValueError("cast_stacked: delayed scaling needs the stack's amax history")
     tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+    record = None if history is None else history[:1]
     if not all(_triton_scaling(t, None, None) == 2 for t in tensors) or dtype not in FP8_MAX:
-        return cast(_row_stack(tensors), dtype, None, row=True, col=col)
+        if delayed:
+            return cast_delayed(_row_stack(tensors), dtype, history, row=True, col=col)
+        return cast(_row_stack(tensors), dtype, None, row=True, col=col, record=record)
     from .fp8_cast_kernel import TENSOR, triton_amax, triton_cast
-    partials = torch.cat([triton_amax(t, per_column=False) for t in tensors])
+    amax = history[1:] if delayed else torch.cat([triton_amax(t, per_column=False) for t in tensors])
     rows, cols, device = sum(t.shape[0] for t in tensors), tensors[0].shape[1], tensors[0].device
     x8 = torch.empty(rows, cols, device=device, dtype=dtype)
     x8_col = torch.empty(cols, rows, device=device, dtype=dtype).t() if col else None  # [rows, cols], strides (1, rows)
     first = 0
-    for t in tensors:  # each call writes the same scale: the maximum over all partials
+    for t in tensors:  # each call writes the same scale: the maximum over all partials (or past amaxes)
         last = first + t.shape[0]
-        _, _, scale = triton_cast(t, dtype, TENSOR, partials, row=True, col=col, out_row=x8[first:last],
-                                  out_col=x8_col[first:last] if col else None)
+        _, _, scale = triton_cast(t, dtype, TENSOR, amax, row=True, col=col, out_row=x8[first:last],
+                                  out_col=x8_col[first:last] if col else None, past=delayed, record=record)
         first = last
     return Fp8Cast(x8, x8_col, scale)
 

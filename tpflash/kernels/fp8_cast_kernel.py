@@ -94,9 +94,10 @@ def _amax_kernel(X, PARTIALS, rows, cols, stride_row, rows_per_split, PER_COLUMN
 
 
 @triton.jit
-def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, rows, cols, stride_row, stride_col, amax_count, SCALE_BY: tl.constexpr,
-                 WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
-                 MIN_EXP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_A: tl.constexpr):
+def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, RECORD, rows, cols, stride_row, stride_col, amax_count,
+                 SCALE_BY: tl.constexpr, PAST_AMAX: tl.constexpr, WITH_RECORD: tl.constexpr, WRITE_ROW: tl.constexpr,
+                 WRITE_COL: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_A: tl.constexpr):
     # program (row block, column block): rows [BLOCK_R], all columns (ROWS) or BLOCK_C of them
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_rows = r < rows
@@ -129,19 +130,27 @@ def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, rows, cols, stride_row, strid
             for a in tl.range(0, amax_count, BLOCK_A):
                 i = a + tl.arange(0, BLOCK_A)
                 amax = _max_nan(amax, tl.load(AMAX + i, mask=i < amax_count, other=0.0))
-            quant = _quant(tl.reduce(amax, 0, _max_nan), FP8_MAX)
+            amax = tl.reduce(amax, 0, _max_nan)
+            if PAST_AMAX:  # an amax history of zeros (nothing recorded, or all-zero tensors) scales by 1
+                amax = tl.where(amax == 0.0, FP8_MAX, amax)
+            quant = _quant(amax, FP8_MAX)
             if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(SCALE, _reciprocal(quant))
+    seen = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)  # WITH_RECORD: max |x| of this program's tile
     for k in tl.range(first, last, BLOCK_C):
         c = k + tl.arange(0, BLOCK_C)
         mask = in_rows[:, None] & (c < cols)[None, :]
         x = tl.load(X + r64[:, None] * stride_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if WITH_RECORD:
+            seen = _max_nan(seen, tl.abs(x))
         x8 = _on_fp8_grid(x * quant, FP8_MAX, MANTISSA, MIN_EXP)
         if WRITE_ROW:
             tl.store(OUT_ROW + r64[:, None] * cols + c[None, :], x8.to(OUT_ROW.dtype.element_ty), mask=mask)
         if WRITE_COL:
             tl.store(OUT_COL + c.to(tl.int64)[None, :] * stride_col + r[:, None], x8.to(OUT_COL.dtype.element_ty),
                      mask=mask)
+    if WITH_RECORD:  # |x| >= 0, so the float maximum is the integer one of the bits: NaN (0x7fc00000) wins too
+        tl.atomic_max(RECORD, tl.reduce(tl.reduce(seen, 1, _max_nan), 0, _max_nan).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -197,14 +206,17 @@ def triton_amax(x: torch.Tensor, per_column: bool) -> torch.Tensor:
 
 
 def triton_cast(x: torch.Tensor, dtype: torch.dtype, scale_by: int, amax=None, row: bool = True, col: bool = False,
-                out_row: torch.Tensor = None, out_col: torch.Tensor = None):
+                out_row: torch.Tensor = None, out_col: torch.Tensor = None, past: bool = False,
+                record: torch.Tensor = None):
     """(x8 row-major if `row`, x8 column-major if `col` (else None), fp32 scale) of x [rows, cols]
     (rows, cols > 0; any row stride, last-dim stride 1; bf16, fp16 or fp32) in fp8 `dtype`, scaled by
     ROWS (scale [rows, 1]), COLUMNS ([1, cols]) or TENSOR ([]). amax, for COLUMNS and TENSOR: the
     partial maxima to reduce (triton_amax's), or for TENSOR a given fp32 amax of one element; None
     takes them from x. Column-major x8 is [rows, cols] with strides (1, rows). out_row, out_col: fp8
     [rows, cols] tensors to write the layouts into instead (rows of larger buffers: strides (cols, 1)
-    and (1, ld) with ld >= rows)."""
+    and (1, ld) with ld >= rows). past (TENSOR): `amax` is an amax history's previous entries, whose
+    maximum scales x, an all-zero history scaling by 1. record: a 1-element fp32 tensor that max |x|
+    is max-ed into (NaN wins), as the cast reads x."""
     rows, cols = x.shape
     if scale_by != ROWS and amax is None:
         amax = triton_amax(x, per_column=scale_by == COLUMNS)
@@ -231,8 +243,9 @@ def triton_cast(x: torch.Tensor, dtype: torch.dtype, scale_by: int, amax=None, r
     # second cast would read fp32's 4 again and write 1.
     transpose = row and col and x.dtype == torch.float32
     _cast_kernel[(triton.cdiv(rows, cfg["BLOCK_R"]), column_programs)](
-        x, out_row, out_col, scale, amax, rows, cols, x.stride(0), out_col.stride(1) if col else 0, amax_count,
-        SCALE_BY=scale_by,
+        x, out_row, out_col, scale, amax, None if record is None else record.view(torch.int32), rows, cols,
+        x.stride(0), out_col.stride(1) if col else 0, amax_count, SCALE_BY=scale_by, PAST_AMAX=past,
+        WITH_RECORD=record is not None,
         WRITE_ROW=row, WRITE_COL=col and not transpose, FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp,
         BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], BLOCK_A=BLOCK_A if x.is_cuda else INTERPRET_BLOCK_A,
         num_warps=cfg["WARPS"])

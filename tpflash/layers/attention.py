@@ -24,7 +24,7 @@ from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_cp_group, resolve_tp_group, sublayer_group
 from ..parallel.zigzag import zigzag_positions
 from .autocast_linear import linear
-from .fp8_linear import check_fp8_recipe
+from .fp8_linear import Fp8Amaxes, check_fp8_recipe
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_linears, init_linear_full
 from .norm import HeadNorm
 from .rotary import RotaryEmbedding
@@ -123,6 +123,7 @@ class ParallelAttention(nn.Module):
             raise ValueError(f"cp_comm={cp_comm!r} must be one of {CP_COMMS}")
         check_fp8_recipe(fp8)
         self.cp_group, self.cp_comm, self.fp8 = resolve_cp_group(cp_group), cp_comm, fp8
+        self.fp8_history = None  # fp8="delayed": the q/k/v GEMM's amax histories (tpflash.layers.fp8_history)
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         self.process_group = resolve_tp_group(process_group)
         tp = group_size(self.process_group)
@@ -177,7 +178,7 @@ class ParallelAttention(nn.Module):
         (k_w, k_b), (v_w, v_b) = self.k_proj.local_weight_and_bias(), self.v_proj.local_weight_and_bias()
         q, k, v = column_parallel_linears(x, [self.q_proj.weight, k_w, v_w], [self.q_proj.bias, k_b, v_b],
                                           self.process_group, self.sequence_parallel, self.q_proj.overlap,
-                                          fp8=self.fp8)  # [seq, b, heads*hd]
+                                          fp8=self.fp8, fp8_amaxes=Fp8Amaxes(history=self.fp8_history))  # [seq, b, heads*hd]
         seq, batch = q.shape[0], q.shape[1]
         q = q.view(seq, batch, self.local_heads, self.head_dim)
         k = k.view(seq, batch, self.local_kv_heads, self.head_dim)

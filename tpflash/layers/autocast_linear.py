@@ -117,7 +117,7 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[O
         return [linear(x, weights[0], biases[0], fp8, fp8_amaxes)]
     some_biases = any(b is not None for b in biases) and not all(b is not None for b in biases)
     if not torch.is_grad_enabled() or some_biases:
-        return [linear(x, w, b, fp8) for w, b in zip(weights, biases)]
+        return [linear(x, w, b, fp8, fp8_amaxes) for w, b in zip(weights, biases)]
     if fp8 != "off":
         return fp8_linears(x, weights, biases, fp8, amaxes=fp8_amaxes)
     dtype = _compute_dtype(x, weights) or x.dtype

@@ -24,6 +24,7 @@ from ..parallel.random import RNGTracker
 from ..parallel.state import group_rank, group_size, resolve_tp_group, sublayer_group
 from . import weight_casts
 from .attention import ParallelAttention
+from .fp8_linear import TENSOR_SCALED
 from .linear import InitMethod
 from .mlp import ParallelMLP
 from .norm import ParallelNorm
@@ -122,18 +123,27 @@ class ParallelTransformerBlock(nn.Module):
     def backward_reads_weights(self) -> bool:
         """Whether this block's backward reads its projections' weights (sharded data parallelism gathers
         them again for it, tpflash.parallel.zero3): not where every projection multiplies in fp8
-        tensorwise, whose backward uses the fp8 weights its forward saved, and no checkpointing reruns
-        a GEMM (None, or "activation", which remakes the MLP activation from the GEMMs' saved outputs)."""
-        return not (self.fp8 == "tensorwise" and self.checkpoint in (None, "activation"))
+        tensorwise or delayed, whose backward uses the fp8 weights its forward saved, and no checkpointing
+        reruns a GEMM (None, or "activation", which remakes the MLP activation from the GEMMs' saved outputs)."""
+        return not (self.fp8 in TENSOR_SCALED and self.checkpoint in (None, "activation"))
 
     def fp8_weight_groups(self) -> Optional[List[Tuple[torch.Tensor, ...]]]:
         """Under fp8 tensorwise, the weights each projection GEMM casts with one scale (q/k/v, o, up/gate,
         down): what a holder of the weights may hand the GEMMs pre-cast (kernels.fp8.Fp8Weight; fsdp=zero3
-        gathers them in fp8). None for other recipes, or where a GEMM does not multiply whole weights."""
+        gathers them in fp8). None for other recipes (delayed scales its weights by their histories), or
+        where a GEMM does not multiply whole weights."""
         if self.fp8 != "tensorwise":
             return None
         attn, mlp = self.attn.fp8_weight_groups(), self.mlp.fp8_weight_groups()
         return None if attn is None or mlp is None else attn + mlp
+
+    def fp8_gemm_layers(self) -> List[nn.Module]:
+        """Under fp8="delayed", the layers that own its fp8 GEMMs (q/k/v: the attention, o, up/gate: the
+        MLP, down), each holding that GEMM's amax histories as `fp8_history` once its model made them
+        (tpflash.layers.fp8_history.AmaxHistory); [] for other recipes."""
+        if self.fp8 != "delayed":
+            return []
+        return [self.attn, self.attn.o_proj, self.mlp, self.mlp.down_proj]
 
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
         """The tensors the block's forward casts to the compute dtype, grouped as its layers stack them."""

@@ -42,11 +42,14 @@ import torch.distributed as dist
 
 from ..kernels import column_sum
 from ..kernels.column_sum import concat_rows
-from ..kernels.fp8 import E4M3, E5M2, Fp8Weight, cast, cast_stacked, check_fp8_device, column_major, scaled_mm, tensor_amax
+from ..kernels.fp8 import (E4M3, E5M2, Fp8Weight, cast, cast_delayed, cast_stacked, check_fp8_device, column_major,
+                           scaled_mm, tensor_amax)
 from ..parallel import comm
+from .fp8_history import GemmHistory
 from .weight_casts import adjacent_rows
 
-FP8_RECIPES = ("off", "rowwise", "tensorwise")
+FP8_RECIPES = ("off", "rowwise", "tensorwise", "delayed")
+TENSOR_SCALED = ("tensorwise", "delayed")  # one scale per tensor: e4m3 x and W, e5m2 dY, fp8 x and W saved
 
 
 def check_fp8_recipe(recipe: str) -> None:
@@ -65,31 +68,38 @@ class _Gather(NamedTuple):
 
 
 class Fp8Amaxes(NamedTuple):
-    """Amaxes a tensorwise fp8 linear's neighbours give it, so that its casts read each tensor once:
-    `input`, x's amax (0-d fp32; under SP this rank's tokens'), from x's producer; `grad`, a 0-d fp32
-    tensor that holds the amax of the outputs' gradient [M, sum out_i] by the time the backward runs
-    (the consumer's backward writes it: tpflash.kernels.swiglu). Either may be None."""
+    """Where a tensor-scaled fp8 linear's casts find their amaxes besides the tensors themselves.
+    tensorwise: `input`, x's amax (0-d fp32; under SP this rank's tokens'), from x's producer; `grad`,
+    a 0-d fp32 tensor that holds the amax of the outputs' gradient [M, sum out_i] by the time the
+    backward runs (the consumer's backward writes it: tpflash.kernels.swiglu); either may be None, and
+    then the cast reads its tensor once more for it. delayed: `history`, the GEMM's amax histories
+    (tpflash.layers.fp8_history; required)."""
     input: Optional[torch.Tensor] = None
     grad: Optional[torch.Tensor] = None
+    history: Optional[GemmHistory] = None
 
 
-def _cast_input(x: torch.Tensor, recipe: str, sp: Optional[_Gather], amax: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(x8 [M, K] of the whole input, row-major; its scale: [M, 1] rowwise, 0-d tensorwise). Under
+def _cast_input(x: torch.Tensor, recipe: str, sp: Optional[_Gather], amax: Optional[torch.Tensor] = None,
+                history: Optional[GemmHistory] = None, delayed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(x8 [M, K] of the whole input, row-major; its scale: [M, 1] rowwise, 0-d otherwise). Under
     sequence parallelism this rank's tokens are cast and the fp8 bytes gathered with their scales
     (half the bytes of a bf16 gather), equal bit for bit to gathering x and casting after: rowwise
-    scales are per token, and the tensorwise amax is reduced over the group first. amax: x's, given
-    (tensorwise)."""
+    scales are per token, the tensorwise amax is reduced over the group first, and delayed scales
+    come from histories the group shares. amax: x's, given (tensorwise). history: the GEMM's (its
+    x entry records x's amax); delayed: scale x by it."""
     rowwise = recipe == "rowwise"
-    if sp is None:
-        x8, _, scale = cast(x, E4M3, -1 if rowwise else None, None if rowwise else amax)
+    record = None if history is None else history.x[:1]
+    if delayed:
+        x8, _, scale = cast_delayed(x, E4M3, history.x)
+    elif sp is None:
+        x8, _, scale = cast(x, E4M3, -1 if rowwise else None, None if rowwise else amax, record=record)
     elif rowwise:
         x8, _, scale = cast(x, E4M3, -1)  # [seq/tp, ..., 1] scales travel with their tokens
         scale = comm.all_gather(scale, sp.seq_dim, sp.group)
     else:
         amax = tensor_amax(x) if amax is None else amax.clone()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=sp.group)
-        x8, _, scale = cast(x, E4M3, None, amax)
+        x8, _, scale = cast(x, E4M3, None, amax, record=record)
     if sp is not None:  # as bytes: not every backend moves fp8 dtypes
         x8 = comm.all_gather(x8.view(torch.uint8), sp.seq_dim, sp.group).view(x8.dtype)
     return x8.reshape(-1, x8.shape[-1]), scale.reshape(-1, 1) if rowwise else scale
@@ -125,23 +135,28 @@ class _Fp8Linear(torch.autograd.Function):
         weights, biases = params[:n], params[n:]
         ctx.recipe, ctx.sp, ctx.out_dtype, ctx.device = recipe, sp, out_dtype, x.device
         ctx.grad_amax = amaxes.grad  # an attribute: filled by the consumer's backward before this one runs
+        # delayed: decided once per forward, so that a recomputed forward and the backward cast alike
+        ctx.history, ctx.delayed = history, delayed = amaxes.history, amaxes.history is not None and amaxes.history.delayed
         ctx.sizes = [w.shape[0] for w in weights]
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.full_shape = x.shape if sp is None else \
             x.shape[:sp.seq_dim] + (x.shape[sp.seq_dim] * sp.group.size(),) + x.shape[sp.seq_dim + 1:]
-        tensorwise = recipe == "tensorwise"
+        tensorwise = recipe in TENSOR_SCALED
         want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[_PARAMS:_PARAMS + n])
         if tensorwise and want_dw and sp is None:  # both layouts from one read: the column-major one for dW
-            x8, x8_saved, sx = cast(x.reshape(-1, x.shape[-1]), E4M3, None, amaxes.input, col=True)
+            x2 = x.reshape(-1, x.shape[-1])
+            x8, x8_saved, sx = cast_delayed(x2, E4M3, history.x, col=True) if delayed else \
+                cast(x2, E4M3, None, amaxes.input, col=True, record=None if history is None else history.x[:1])
         else:
-            x8, sx = _cast_input(x, recipe, sp, amaxes.input)  # [M, K]
+            x8, sx = _cast_input(x, recipe, sp, amaxes.input, history, delayed)  # [M, K]
             x8_saved = x8  # under sp row-major: scaled_mm copies it for dW
-        given = _given_fp8_weights(weights) if tensorwise else None
+        given = _given_fp8_weights(weights) if recipe == "tensorwise" else None
         if given is not None:  # cast by their holder: the backward's column-major copy is one transpose
             w8, sw = given
             w8_col, sw = (column_major(w8) if want_dx else None), sw.clone()  # the holder reuses its scale
         elif tensorwise:  # [N, K] stacked in fp8, not in the weights' fp32
-            w8, w8_col, sw = cast_stacked(weights, E4M3, col=want_dx)
+            w8, w8_col, sw = cast_stacked(weights, E4M3, col=want_dx, history=None if history is None else history.w,
+                                          delayed=delayed)
         else:
             w = _stack(weights)  # [N, K], saved: the backward casts it per column
             w8, _, sw = cast(w, E4M3, -1)
@@ -163,9 +178,13 @@ class _Fp8Linear(torch.autograd.Function):
         dy = grads[0] if n == 1 else concat_rows(grads)  # [M, N]; no copy where they are one buffer's blocks
         want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[_PARAMS:_PARAMS + n])
         dx = dw = None
-        if ctx.recipe == "tensorwise":
+        if ctx.recipe in TENSOR_SCALED:
             x8, sx, w8, sw = ctx.saved_tensors  # [M, K], [N, K] column-major (under sp x8 row-major: copied)
-            dy8, dy8_col, sdy = cast(dy, E5M2, None, ctx.grad_amax, row=want_dx, col=want_dw)  # [M, N]
+            if ctx.delayed:
+                dy8, dy8_col, sdy = cast_delayed(dy, E5M2, ctx.history.dy, row=want_dx, col=want_dw)  # [M, N]
+            else:
+                dy8, dy8_col, sdy = cast(dy, E5M2, None, ctx.grad_amax, row=want_dx, col=want_dw,
+                                         record=None if ctx.history is None else ctx.history.dy[:1])
             dx = scaled_mm(dy8, sdy, w8, sw, ctx.out_dtype) if want_dx else None
             dw = scaled_mm(dy8_col.t(), sdy, x8, sx, torch.float32) if want_dw else None
         else:
@@ -195,15 +214,20 @@ class _Fp8Linear(torch.autograd.Function):
 def fp8_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                 recipe: str, sequence_parallel_group: Optional[dist.ProcessGroup] = None,
                 seq_dim: int = 0, amaxes: Optional[Fp8Amaxes] = None) -> List[torch.Tensor]:
-    """[x W_i^T + b_i] with fp8 GEMMs under `recipe` ("rowwise" or "tensorwise"): x [*, in], W_i
-    [out_i, in] -> [*, out_i] each, in the autocast dtype under autocast, else x's dtype (x is cast to
-    it first, as F.linear under autocast would). Biases: all present or all None.
+    """[x W_i^T + b_i] with fp8 GEMMs under `recipe` ("rowwise", "tensorwise" or "delayed"): x [*, in],
+    W_i [out_i, in] -> [*, out_i] each, in the autocast dtype under autocast, else x's dtype (x is cast
+    to it first, as F.linear under autocast would). Biases: all present or all None.
     sequence_parallel_group: x is this rank's [seq/tp, ...] tokens; they are cast to fp8 and
     all-gathered along `seq_dim` (x's gradient reduce-scattered), and the outputs hold the whole
-    sequence. amaxes (tensorwise; rowwise ignores them): Fp8Amaxes from the neighbouring kernels; the
-    input's is used only where x is in the compute dtype already (a converted x has other values)."""
+    sequence. amaxes (Fp8Amaxes): tensorwise, the amaxes the neighbouring kernels give (the input's is
+    used only where x is in the compute dtype already: a converted x has other values); delayed, the
+    GEMM's amax histories, required; rowwise ignores them."""
     if recipe not in FP8_RECIPES[1:]:
-        raise ValueError(f"fp8_linears: recipe {recipe!r} must be 'rowwise' or 'tensorwise'")
+        raise ValueError(f"fp8_linears: recipe {recipe!r} must be one of {FP8_RECIPES[1:]}")
+    if recipe == "delayed" and (amaxes is None or amaxes.history is None):
+        raise ValueError("fp8_linears: fp8='delayed' needs the GEMM's amax histories (Fp8Amaxes(history=...)): "
+                         "build the layers inside a tpflash GPT, or give them histories with "
+                         "tpflash.layers.fp8_history.AmaxHistory and call its advance() at every training forward")
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise ValueError("fp8_linears: biases must be all present or all None")
     check_fp8_device(recipe, x.device)
@@ -212,7 +236,12 @@ def fp8_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequen
     sp = None
     if sequence_parallel_group is not None and sequence_parallel_group.size() > 1:
         sp = _Gather(sequence_parallel_group, seq_dim % x.dim())
-    amaxes = amaxes if amaxes is not None and recipe == "tensorwise" else Fp8Amaxes()
+    if recipe == "delayed":  # the casts take their amaxes from the histories
+        amaxes = Fp8Amaxes(history=amaxes.history)
+    elif recipe == "tensorwise" and amaxes is not None:
+        amaxes = amaxes._replace(history=None)
+    else:
+        amaxes = Fp8Amaxes()
     if x.dtype != out_dtype:
         amaxes = amaxes._replace(input=None)
     with torch.autocast(device, enabled=False):

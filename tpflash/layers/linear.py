@@ -140,6 +140,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         check_fp8_recipe(fp8)
         self.fp8 = fp8
+        self.fp8_history = None  # fp8="delayed": this GEMM's amax histories (tpflash.layers.fp8_history)
         self.process_group = resolve_tp_group(process_group)
         tp, rank = group_size(self.process_group), group_rank(self.process_group)
         self.in_features, self.out_features = in_features, out_features
@@ -169,7 +170,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, = column_parallel_linears(x, [self.weight], [self.bias], self.process_group, self.sequence_parallel,
-                                     self.overlap, self.seq_dim, self.save_gathered_input, self.fp8)  # [*, out/tp]
+                                     self.overlap, self.seq_dim, self.save_gathered_input, self.fp8,
+                                     Fp8Amaxes(history=self.fp8_history))  # [*, out/tp]
         if self.gather_output:
             y = comm.gather_along_dim(y, -1, self.process_group)
             if self.padded:  # the padding is at the end of the gathered features; its gradient is zero
@@ -202,6 +204,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         check_fp8_recipe(fp8)
         self.fp8 = fp8
+        self.fp8_history = None  # fp8="delayed": this GEMM's amax histories (tpflash.layers.fp8_history)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input must already be "
                              "split over features)")
@@ -232,7 +235,8 @@ class RowParallelLinear(nn.Module):
         """x [*, in/tp] (input_is_parallel) or [*, in] -> [*, out] (module docstring). fp8_input_amax:
         x's amax (0-d fp32) from its producer, for tensorwise fp8; used where x reaches the GEMM as
         given (not split or padded here)."""
-        amaxes = Fp8Amaxes(fp8_input_amax if self.input_is_parallel and not self.local_padding else None)
+        amaxes = Fp8Amaxes(fp8_input_amax if self.input_is_parallel and not self.local_padding else None,
+                           history=self.fp8_history)
         if not self.input_is_parallel:
             if self.padded_in_features != self.in_features:  # [*, in] -> [*, padded]: zero padding features
                 x = F.pad(x, (0, self.padded_in_features - self.in_features))

@@ -63,6 +63,7 @@ class ParallelMLP(nn.Module):
         if fused_dense and fp8 != "off":
             raise ValueError(f"fused_dense=True runs its own bf16 GEMMs: it cannot be combined with fp8={fp8!r}")
         self.fp8 = fp8
+        self.fp8_history = None  # fp8="delayed": the up(/gate) GEMM's amax histories (tpflash.layers.fp8_history)
         if mlp not in MLPS:
             raise ValueError(f"mlp={mlp!r} must be one of {MLPS}")
         if fused_dense and mlp != "gelu":
@@ -111,7 +112,8 @@ class ParallelMLP(nn.Module):
         if self.gate_proj is None:
             up_bias = self.up_proj.bias
             y = column_parallel_linears(x, [self.up_proj.weight], [None], self.process_group,
-                                        self.sequence_parallel, self.up_proj.overlap, fp8=self.fp8)[0]  # [seq, b, ffn/tp], bias not yet added
+                                        self.sequence_parallel, self.up_proj.overlap, fp8=self.fp8,
+                                        fp8_amaxes=Fp8Amaxes(history=self.fp8_history))[0]  # [seq, b, ffn/tp], no bias yet
             # the bias added by the activation's kernel, whose backward sums its gradient while writing dy
             activation = partial(ACTIVATIONS[self.mlp], y) if up_bias is None else \
                 partial(kernels.bias_activation, y, up_bias, self.mlp)
@@ -125,7 +127,8 @@ class ParallelMLP(nn.Module):
             up, gate = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
                                                self.process_group, self.sequence_parallel, self.up_proj.overlap,
                                                fp8=self.fp8,
-                                               fp8_amaxes=Fp8Amaxes(grad=amaxes[1]) if amaxes else None)  # [seq, b, ffn/tp] each
+                                               fp8_amaxes=Fp8Amaxes(grad=amaxes[1] if amaxes else None,
+                                                                    history=self.fp8_history))  # [seq, b, ffn/tp] each
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
             activation = partial(kernels.swiglu, up, gate)
             h = kernels.swiglu(up, gate, amaxes)

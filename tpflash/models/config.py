@@ -58,9 +58,10 @@ class GPTConfig:
     (token-chunked; the full logits never exist), else logits + vocab_parallel_cross_entropy.
     init_std: std of the normal init (residual output projections get init_std/sqrt(2*n_layer)).
     seed: seeds the model's dropout RNG tracker (tpflash.parallel.random).
-    fp8: "off", "rowwise" or "tensorwise": the attention and MLP projections' GEMMs in fp8
-    (tpflash.layers.fp8_linear; the embedding and the head stay in the compute dtype). No state:
-    a checkpoint resumes with fp8 changed.
+    fp8: "off", "rowwise", "tensorwise" or "delayed": the attention and MLP projections' GEMMs in fp8
+    (tpflash.layers.fp8_linear; the embedding and the head stay in the compute dtype). Checkpoints
+    hold no fp8 state (delayed scaling's amax histories start again on resume): a checkpoint resumes
+    with fp8 changed.
 
     Llama-family variants (tpflash.models.hf_config maps Hugging Face configs onto these):
     head_dim: per-head width, None meaning n_embd // n_head (`head_size` is the resolved value);

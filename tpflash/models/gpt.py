@@ -7,6 +7,7 @@ Layout through the model: ids [batch, seq] -> embeddings [seq, batch, hidden] (s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 from .. import losses
 from ..layers import ParallelNorm, ParallelTransformerBlock, VocabParallelEmbedding
+from ..layers.fp8_history import AmaxHistory
 from ..layers.linear import column_parallel_linears
 from ..parallel import comm, context_parallel
 from ..parallel.context_attention import CP_COMMS
@@ -77,6 +79,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(made[f"blocks.{i}"] for i in range(config.n_layer))
         self.final_norm, self.lm_head = made["final_norm"], made["lm_head"]
         self._graphed_blocks = None  # capture_cuda_graphs()
+        self.fp8_history: Optional[AmaxHistory] = None  # fp8="delayed": made on the device at first use
 
     def _fresh_modules(self, device, dtype) -> Iterator[Tuple[str, Optional[nn.Module]]]:
         """(name, module) for every module of the model, newly built and initialised, in the order their
@@ -190,9 +193,21 @@ class GPT(nn.Module):
         idx, _, positions = context_parallel.shard_batch(idx, None, packing.get("position_ids"), self.cp_group)
         return idx, dict(position_ids=positions, max_seqlen=seq)  # max_seqlen: the rotary tables' length
 
+    def _amax_history(self) -> Optional[AmaxHistory]:
+        """Under fp8="delayed", the blocks' amax histories (tpflash.layers.fp8_history), made on the
+        blocks' device the first time they are needed; None for other recipes."""
+        if self.fp8_history is None and self.config.fp8 == "delayed":
+            layers = [layer for block in self.blocks for layer in block.fp8_gemm_layers()]
+            self.fp8_history = AmaxHistory(layers, self.head_weight.device, self.process_group)
+        return self.fp8_history
+
     def _hidden_states(self, idx: torch.Tensor, block_kw: Dict) -> torch.Tensor:
         x, residual = self.embed(idx, block_kw.get("position_ids")), None
-        if not block_kw and self._graphed_blocks is not None and self._graphed_blocks.matches(x):
+        history = self._amax_history()
+        if history is not None and torch.is_grad_enabled() and self.training:
+            history.advance()  # once per training forward: the steps' amaxes move on
+        graphs_fit = history is None or history.primed  # the graphs replay delayed casts only
+        if not block_kw and graphs_fit and self._graphed_blocks is not None and self._graphed_blocks.matches(x):
             x, residual = self._graphed_blocks(x)  # captured for unpacked batches only
         else:
             if self._graphed_blocks is not None:
@@ -227,7 +242,9 @@ class GPT(nn.Module):
         self.release_cuda_graphs()
         with torch.no_grad():
             sample = self.embed(idx)  # [seq(/tp), batch, hidden]
-        self._graphed_blocks = GraphedBlocks(self.blocks, sample, dp_sync=dp_sync)
+        history = self._amax_history()
+        with contextlib.nullcontext() if history is None else history.capture():
+            self._graphed_blocks = GraphedBlocks(self.blocks, sample, dp_sync=dp_sync)
 
     def release_cuda_graphs(self) -> None:
         """Destroy the captured graphs (and their memory pool); forwards run eagerly again. Call it

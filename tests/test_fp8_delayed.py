@@ -1,0 +1,218 @@
+"""fp8 delayed scaling (fp8="delayed"): each cast is scaled by the amaxes its tensor had in earlier
+steps (tpflash.layers.fp8_history) and records its own amax as it reads the tensor. The casts equal
+quantize with that amax bit for bit (Triton's CPU interpreter and the reference), a layer's GEMMs equal
+those of operands fake-quantised with the histories' amaxes, the first training forward casts with
+current scaling, graphs replay the eager steps' bits, and a GPT trains like the tensorwise one."""
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.kernels.helpers import needs_interpreter
+from tests.test_fp8_linear import MAX, assert_rel
+from tpflash.kernels import dispatch
+from tpflash.kernels.fp8 import E4M3, E5M2, cast_delayed, cast_stacked, past_amax, quantize
+from tpflash.layers.fp8_history import HISTORY_LENGTH, AmaxHistory
+from tpflash.layers.fp8_linear import Fp8Amaxes, fp8_linears
+from tpflash.models import GPT, GPTConfig
+
+BACKENDS = pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_interpreter)])
+HISTORIES = {"some steps": [0.0, 0.5, 7.0, 2.0], "none yet": [0.0] * 4, "only this step's": [9.0, 0.0, 0.0, 0.0]}
+
+
+def as_bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+@BACKENDS
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("history", list(HISTORIES))
+def test_a_delayed_cast_equals_quantize_with_the_past_amax_and_records_the_amax(backend, fmt, dtype, history):
+    x = (torch.randn(13, 21, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    before = torch.tensor(HISTORIES[history])
+    after = before.clone()
+    with dispatch.use_backend(backend):
+        got = cast_delayed(x, fmt, after, row=True, col=True)
+    past = before[1:].max()
+    want8, want_scale = quantize(x, fmt, None, past if past > 0 else torch.tensor(MAX[fmt]))  # zeros: scale 1
+    assert torch.equal(as_bytes(got.row), as_bytes(want8)) and torch.equal(as_bytes(got.col), as_bytes(want8))
+    assert torch.equal(got.scale, want_scale)
+    assert after[0] == max(before[0], x.float().abs().max()) and torch.equal(after[1:], before[1:])
+
+
+@BACKENDS
+def test_an_amax_that_grew_past_the_history_saturates(backend):
+    x = torch.tensor([[1.0, -3.0, 100.0, -1000.0]])
+    history = torch.tensor([0.0, 448.0])  # a scale of 1
+    with dispatch.use_backend(backend):
+        got = cast_delayed(x, E4M3, history)
+    assert (got.row.float() * got.scale).tolist() == [[1.0, -3.0, 96.0, -448.0]]
+    assert history[0] == 1000.0
+
+
+@BACKENDS
+def test_a_nan_is_recorded_as_the_amax(backend):
+    x = torch.randn(8, 8)
+    x[3, 3] = float("nan")
+    history = torch.zeros(3)
+    with dispatch.use_backend(backend):
+        cast_delayed(x, E4M3, history)
+    assert history[0].isnan()
+
+
+@BACKENDS
+@pytest.mark.parametrize("delayed", [False, True])
+def test_stacked_weights_record_the_amax_of_the_stack_and_scale_by_the_history(backend, delayed):
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(8, 16, generator=gen), torch.randn(4, 16, generator=gen) * 5]
+    history = torch.tensor([0.0, 3.0, 1.0])
+    with dispatch.use_backend(backend):
+        got = cast_stacked(ws, E4M3, col=True, history=history, delayed=delayed)
+    stack = torch.cat(ws)
+    want8, want_scale = quantize(stack, E4M3, None, torch.tensor(3.0) if delayed else None)
+    assert torch.equal(as_bytes(got.row), as_bytes(want8)) and torch.equal(as_bytes(got.col), as_bytes(want8))
+    assert torch.equal(got.scale, want_scale) and history[0] == stack.abs().max()
+
+
+def test_past_amax_is_the_maximum_of_the_previous_entries_and_the_format_max_when_they_are_zero():
+    assert past_amax(torch.tensor([5.0, 1.0, 2.0]), E4M3) == 2.0
+    assert past_amax(torch.tensor([5.0, 0.0, 0.0]), E5M2) == MAX[E5M2]
+
+
+def test_advance_moves_this_steps_amaxes_into_the_history_and_drops_non_finite_ones():
+    layer = nn.Module()
+    history = AmaxHistory([layer], "cpu")
+    gemm = layer.fp8_history
+    history.advance()
+    gemm.x[0], gemm.w[0], gemm.dy[0] = 2.0, float("nan"), float("inf")
+    history.advance()
+    assert gemm.x[:3].tolist() == [0.0, 2.0, 0.0] and gemm.w[:2].tolist() == [0.0, 0.0]
+    assert gemm.dy[:2].tolist() == [0.0, 0.0]
+    for step in range(HISTORY_LENGTH):  # the oldest entry drops out after HISTORY_LENGTH - 1 more steps
+        gemm.x[0] = 1.0
+        history.advance()
+    assert gemm.x.tolist() == [0.0] + [1.0] * (HISTORY_LENGTH - 1)
+
+
+def test_the_first_training_forward_casts_with_current_scaling_and_later_ones_with_the_history():
+    layer = nn.Module()
+    history = AmaxHistory([layer], "cpu")
+    gen = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(16, 32, generator=gen), torch.randn(48, 32, generator=gen) * 0.1, torch.randn(16, 48, generator=gen)
+    # the priming forward: tensorwise's bits
+    history.advance()
+    assert not layer.fp8_history.delayed
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y, = fp8_linears(xl, [wl], [None], "delayed", amaxes=Fp8Amaxes(history=layer.fp8_history))
+    y.backward(dy)
+    xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_t, = fp8_linears(xt, [wt], [None], "tensorwise")
+    y_t.backward(dy)
+    assert torch.equal(y, y_t) and torch.equal(xl.grad, xt.grad) and torch.equal(wl.grad, wt.grad)
+    # the next one: scaled by the amaxes recorded, here a third of the new operands' (they saturate)
+    history.advance()
+    assert layer.fp8_history.delayed
+    x2, w2, dy2 = 3 * x, 3 * w, 3 * dy
+    xl, wl = x2.clone().requires_grad_(), w2.clone().requires_grad_()
+    y, = fp8_linears(xl, [wl], [None], "delayed", amaxes=Fp8Amaxes(history=layer.fp8_history))
+    y.backward(dy2)
+
+    def fake_quant(t, fmt, amax):
+        scale = MAX[fmt] / amax
+        return ((t.float() * scale).clamp(-MAX[fmt], MAX[fmt]).to(fmt).float() / scale).double()
+    xq, wq, dyq = fake_quant(x2, E4M3, x.abs().max()), fake_quant(w2, E4M3, w.abs().max()), \
+        fake_quant(dy2, E5M2, dy.abs().max())
+    assert_rel(y, xq @ wq.t())
+    assert_rel(xl.grad, dyq @ wq)
+    assert_rel(wl.grad, dyq.t() @ xq)
+    assert layer.fp8_history.x[0] == x2.abs().max() and layer.fp8_history.dy[0] == dy2.abs().max()
+
+
+def test_a_delayed_layer_without_histories_is_one_clear_error():
+    with pytest.raises(ValueError, match="fp8='delayed' needs the GEMM's amax histories"):
+        fp8_linears(torch.randn(4, 8), [torch.randn(8, 8)], [None], "delayed")
+
+
+def tiny_config(fp8):
+    return GPTConfig.preset("llama-tiny", vocab_size=64, block_size=32, n_layer=2, n_embd=64, n_head=4,
+                            n_kv_head=2, ffn_hidden=128, fp8=fp8)
+
+
+def train(model, steps, autocast=False, graphs=False):
+    return train_on(model, "cpu", steps, graphs, autocast)
+
+
+def train_on(model, device, steps, graphs, autocast=True):
+    """AdamW steps on a repeating pattern (under bf16 autocast), each step's loss; graphs: captured first."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(1)
+    pattern = torch.randint(0, 64, (8,), generator=gen)
+    idx = pattern.repeat(4, 4)[:, :17].to(device)
+    context = torch.autocast(device, dtype=torch.bfloat16, enabled=autocast)
+    if graphs:
+        with context:
+            model.capture_cuda_graphs(4, 16)
+    losses = []
+    for _ in range(steps):
+        with context:
+            loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_gpt_with_delayed_fp8_starts_as_tensorwise_and_trains_like_it():
+    torch.manual_seed(0)
+    delayed = train(GPT(tiny_config("delayed")), 30)
+    torch.manual_seed(0)
+    tensorwise = train(GPT(tiny_config("tensorwise")), 30)
+    assert delayed[0] == tensorwise[0]  # the first step casts with current scaling
+    assert delayed[1] != tensorwise[1]  # the second with the history
+    assert delayed[-1] < 0.5 * delayed[0]
+    assert abs(delayed[-1] - tensorwise[-1]) < 0.05 * tensorwise[0]
+
+
+def test_graphed_delayed_steps_replay_the_eager_steps_bits_from_the_second_step():
+    """The graphs capture the delayed casts; the first step (current scaling) runs eagerly, and the
+    capture's passes over a sample input leave the histories untouched."""
+    torch.manual_seed(0)
+    eager_model = GPT(tiny_config("delayed"))
+    eager = train(eager_model, 4, autocast=True)
+    torch.manual_seed(0)
+    graphed_model = GPT(tiny_config("delayed"))
+    graphed = train(graphed_model, 4, autocast=True, graphs=True)
+    assert graphed == eager
+    assert graphed_model._graphed_blocks.forward_generation == 3
+    assert torch.equal(graphed_model.fp8_history.table, eager_model.fp8_history.table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_delayed_cast_equals_quantize_and_records_the_amax_on_gpu(fmt, dtype):
+    """Every program's atomic maximum lands: the recorded amax is the tensor's, at real sizes."""
+    from tests.kernels.test_fp8_cast import every_magnitude
+    for rows, cols in ((8192, 2048), (8191, 1375), (768, 1024)):
+        x = every_magnitude(dtype, rows=rows, cols=cols, device="cuda")
+        x = (x.float() / x.float().abs().max() * 4).to(dtype)  # amax 4: beyond the history's 3, some saturate
+        history = torch.tensor([0.25, 3.0, 0.5], device="cuda")
+        got = cast_delayed(x, fmt, history, row=True, col=True)
+        want8, want_scale = quantize(x, fmt, None, torch.tensor(3.0, device="cuda"))
+        assert torch.equal(as_bytes(got.row), as_bytes(want8)) and torch.equal(as_bytes(got.col), as_bytes(want8))
+        assert torch.equal(got.scale, want_scale)
+        assert history[0] == max(0.25, x.float().abs().max().item())
+
+
+@pytest.mark.gpu
+def test_a_graphed_delayed_gpt_replays_the_eager_steps_on_gpu():
+    torch.manual_seed(0)
+    eager_model = GPT(tiny_config("delayed"), device="cuda")
+    torch.manual_seed(0)
+    graphed_model = GPT(tiny_config("delayed"), device="cuda")
+    for model, graphs in ((eager_model, False), (graphed_model, True)):
+        model.losses = train_on(model, "cuda", 6, graphs)
+    assert all(torch.isfinite(torch.tensor(graphed_model.losses)))
+    assert graphed_model.losses == eager_model.losses
+    assert graphed_model._graphed_blocks.forward_generation == 5
