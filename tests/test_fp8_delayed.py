@@ -10,7 +10,8 @@ import torch.nn as nn
 from tests.kernels.helpers import needs_interpreter
 from tests.test_fp8_linear import MAX, assert_rel
 from tpflash.kernels import dispatch
-from tpflash.kernels.fp8 import E4M3, E5M2, cast_delayed, cast_stacked, past_amax, quantize
+from tpflash.kernels import swiglu
+from tpflash.kernels.fp8 import E4M3, E5M2, Fp8GradHandoff, cast_delayed, cast_stacked, past_amax, quantize
 from tpflash.layers.fp8_history import HISTORY_LENGTH, AmaxHistory
 from tpflash.layers.fp8_linear import Fp8Amaxes, fp8_linears
 from tpflash.models import GPT, GPTConfig
@@ -133,6 +134,59 @@ def test_a_delayed_layer_without_histories_is_one_clear_error():
         fp8_linears(torch.randn(4, 8), [torch.randn(8, 8)], [None], "delayed")
 
 
+def swiglu_operands(rows=24, n=40, device="cpu"):
+    """A leaf y [rows, 2n] in bf16 (the stacked up/gate GEMM's output), its halves, and an upstream dh."""
+    gen = torch.Generator().manual_seed(0)
+    y = (2 * torch.randn(rows, 2 * n, generator=gen)).bfloat16().to(device).requires_grad_()
+    dh = torch.randn(rows, n, generator=gen).bfloat16().to(device)
+    return y, y[:, :n], y[:, n:], dh
+
+
+@BACKENDS
+def test_swiglu_hands_the_gemm_its_gradient_cast_with_the_history_instead_of_returning_it(backend):
+    history, want_history = torch.tensor([0.0, 0.5, 2.0]), torch.tensor([0.0, 0.5, 2.0])
+    with dispatch.use_backend(backend):
+        y, up, gate, dh = swiglu_operands()
+        swiglu(up, gate).backward(dh)
+        want = cast_delayed(y.grad, E5M2, want_history, row=True, col=True)
+        y, up, gate, dh = swiglu_operands()
+        handoff = Fp8GradHandoff(history)
+        swiglu(up, gate, grad_fp8=handoff).backward(dh)
+    assert y.grad is None  # no compute-dtype gradient
+    got = handoff.take()
+    assert torch.equal(as_bytes(got.row), as_bytes(want.row)) and torch.equal(as_bytes(got.col), as_bytes(want.col))
+    assert got.col.stride() == (1, got.col.shape[0]) and torch.equal(got.scale, want.scale)
+    assert torch.equal(history, want_history)  # the gradient's amax recorded
+
+
+def test_swiglu_refuses_a_gradient_handoff_for_inputs_that_are_not_one_buffer():
+    up, gate = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="grad_fp8 needs up and gate as the two halves"):
+        swiglu(up, gate, grad_fp8=Fp8GradHandoff(torch.zeros(3)))
+
+
+def test_a_delayed_gpt_trains_alike_with_and_without_the_swiglu_gradient_handoff(monkeypatch):
+    """The MLP's up/gate GEMM takes its gradient from swiglu's backward in fp8 from the second step on
+    (the first casts with current scaling), and training is bit for bit what the unfused casts give
+    (the Triton kernel's bits: test_swiglu_hands_the_gemm_its_gradient...)."""
+    import tpflash.layers.mlp as mlp
+    taken = []
+
+    class Counted(Fp8GradHandoff):
+        def take(self):
+            taken.append(self)
+            return super().take()
+
+    def curve():
+        torch.manual_seed(0)
+        return train(GPT(tiny_config("delayed")), 4, autocast=True)
+    monkeypatch.setattr(mlp, "Fp8GradHandoff", Counted)
+    fused = curve()
+    assert len(taken) == 3 * 2  # steps 2-4, two blocks
+    monkeypatch.setattr(mlp, "Fp8GradHandoff", lambda history: None)
+    assert curve() == fused
+
+
 def tiny_config(fp8):
     return GPTConfig.preset("llama-tiny", vocab_size=64, block_size=32, n_layer=2, n_embd=64, n_head=4,
                             n_kv_head=2, ffn_hidden=128, fp8=fp8)
@@ -216,3 +270,18 @@ def test_a_graphed_delayed_gpt_replays_the_eager_steps_on_gpu():
     assert all(torch.isfinite(torch.tensor(graphed_model.losses)))
     assert graphed_model.losses == eager_model.losses
     assert graphed_model._graphed_blocks.forward_generation == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n", [(8192, 2816), (1000, 72)])
+def test_swiglu_hands_over_the_gradient_cast_as_the_unfused_cast_does_on_gpu(rows, n):
+    history, want_history = (torch.tensor([0.0, 3.0, 1.0], device="cuda") for _ in range(2))
+    y, up, gate, dh = swiglu_operands(rows, n, "cuda")
+    swiglu(up, gate).backward(dh)
+    want = cast_delayed(y.grad, E5M2, want_history, row=True, col=True)
+    y, up, gate, dh = swiglu_operands(rows, n, "cuda")
+    handoff = Fp8GradHandoff(history)
+    swiglu(up, gate, grad_fp8=handoff).backward(dh)
+    got = handoff.take()
+    assert torch.equal(as_bytes(got.row), as_bytes(want.row)) and torch.equal(as_bytes(got.col), as_bytes(want.col))
+    assert torch.equal(got.scale, want.scale) and torch.equal(history, want_history)

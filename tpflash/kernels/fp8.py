@@ -67,6 +67,25 @@ class Fp8Cast(NamedTuple):
     scale: torch.Tensor  # [*, 1] (dim -1), [1, K] (dim 0 of a 2-D x), 0-d (dim None)
 
 
+class Fp8GradHandoff:
+    """Where a consumer's backward hands the GEMM that made its inputs that GEMM's output gradient
+    already cast (delayed scaling, so the scale is known before the gradient is: tpflash.kernels.swiglu
+    writes the up/gate GEMM's [d_up | d_gate] in e5m2), instead of returning it in the compute dtype
+    for the GEMM's backward to cast. history: the gradient's amax history ([n] fp32, cast_delayed's);
+    `cast`: an Fp8Cast with both layouts and the 0-d scale, set by the consumer's backward and taken
+    by the GEMM's."""
+
+    def __init__(self, history: torch.Tensor, dtype: torch.dtype = E5M2):
+        self.history, self.dtype = history, dtype
+        self.cast: Optional[Fp8Cast] = None
+
+    def take(self) -> Fp8Cast:
+        if self.cast is None:
+            raise RuntimeError("Fp8GradHandoff: the consumer's backward handed over no gradient")
+        cast, self.cast = self.cast, None
+        return cast
+
+
 def _on_triton(x: torch.Tensor) -> bool:
     return dispatch.pick(x) == "triton" and x.dim() > 0 and x.numel() > 0 and \
         x.dtype in (torch.bfloat16, torch.float16, torch.float32)

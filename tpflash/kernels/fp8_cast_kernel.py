@@ -49,6 +49,20 @@ def _quant(amax, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _tensor_quant(AMAX, amax_count, PAST_AMAX: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_A: tl.constexpr):
+    """The quant of one tensor scale: from the maximum of AMAX[:amax_count] (partial maxima, or with
+    PAST_AMAX an amax history's previous entries, all-zero meaning a scale of 1)."""
+    amax = tl.zeros([BLOCK_A], tl.float32)
+    for a in tl.range(0, amax_count, BLOCK_A):
+        i = a + tl.arange(0, BLOCK_A)
+        amax = _max_nan(amax, tl.load(AMAX + i, mask=i < amax_count, other=0.0))
+    amax = tl.reduce(amax, 0, _max_nan)
+    if PAST_AMAX:  # nothing recorded yet, or all-zero tensors
+        amax = tl.where(amax == 0.0, FP8_MAX, amax)
+    return _quant(amax, FP8_MAX)
+
+
+@triton.jit
 def _on_fp8_grid(v, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     """fp32 v clamped to +-FP8_MAX and rounded to the nearest fp8 value (ties to even), still fp32.
 
@@ -126,14 +140,7 @@ def _cast_kernel(X, OUT_ROW, OUT_COL, SCALE, AMAX, RECORD, rows, cols, stride_ro
                 tl.store(SCALE + c, _reciprocal(quant), mask=c < cols)
             quant = quant[None, :]
         else:  # TENSOR: AMAX [amax_count]
-            amax = tl.zeros([BLOCK_A], tl.float32)
-            for a in tl.range(0, amax_count, BLOCK_A):
-                i = a + tl.arange(0, BLOCK_A)
-                amax = _max_nan(amax, tl.load(AMAX + i, mask=i < amax_count, other=0.0))
-            amax = tl.reduce(amax, 0, _max_nan)
-            if PAST_AMAX:  # an amax history of zeros (nothing recorded, or all-zero tensors) scales by 1
-                amax = tl.where(amax == 0.0, FP8_MAX, amax)
-            quant = _quant(amax, FP8_MAX)
+            quant = _tensor_quant(AMAX, amax_count, PAST_AMAX, FP8_MAX, BLOCK_A)
             if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(SCALE, _reciprocal(quant))
     seen = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)  # WITH_RECORD: max |x| of this program's tile

@@ -14,19 +14,20 @@ import torch
 
 from . import dispatch
 from .column_sum import joined_column_blocks
-from .fp8 import amax_of
+from .fp8 import Fp8Cast, Fp8GradHandoff, amax_of, cast_delayed
 from .reference import swiglu_reference
 
 
 class _TritonSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, up, gate, amaxes):
+    def forward(ctx, up, gate, amaxes, grad_fp8):
         from .swiglu_kernel import triton_swiglu
         n = up.shape[-1]
         ctx.save_for_backward(up, gate)  # as given: the GEMM's halves stay views, no copy
-        # a ctx attribute, not a saved tensor: under activation checkpointing the saved tensors are
-        # recomputed ones, while the GEMM whose backward reads this amax holds the original
+        # ctx attributes, not saved tensors: under activation checkpointing the saved tensors are
+        # recomputed ones, while the GEMM whose backward reads this amax (or gradient) holds the original
         ctx.grad_amax = None if amaxes is None else amaxes[1]
+        ctx.grad_fp8 = grad_fp8
         return triton_swiglu(up.reshape(-1, n), gate.reshape(-1, n),
                              amax_out=None if amaxes is None else amaxes[0]).view(up.shape)
 
@@ -39,6 +40,11 @@ class _TritonSwiGLU(torch.autograd.Function):
         if dh2.stride(-1) != 1:
             dh2 = dh2.contiguous()
         up2, gate2 = up.reshape(-1, n), gate.reshape(-1, n)
+        if ctx.grad_fp8 is not None:  # [d_up | d_gate] cast for the GEMM's backward; none in the compute dtype
+            from .swiglu_kernel import triton_swiglu_backward_fp8
+            handoff = ctx.grad_fp8
+            handoff.cast = Fp8Cast(*triton_swiglu_backward_fp8(up2, gate2, dh2, handoff.history, handoff.dtype))
+            return None, None, None, None
         if joined_column_blocks([up, gate]) is not None:
             # [d_up | d_gate] as one contiguous [*, 2n] buffer: the stacked GEMM's gradient as it is
             buf = torch.empty(up.shape[:-1] + (2 * n,), device=dh.device, dtype=dh.dtype)
@@ -46,7 +52,24 @@ class _TritonSwiGLU(torch.autograd.Function):
             triton_swiglu(up2, gate2, dh2, out=(d_up.view(-1, n), d_gate.view(-1, n)), amax_out=ctx.grad_amax)
         else:
             d_up, d_gate = (g.view(up.shape) for g in triton_swiglu(up2, gate2, dh2, amax_out=ctx.grad_amax))
-        return d_up, d_gate, None
+        return d_up, d_gate, None, None
+
+
+class _CastGradients(torch.autograd.Function):
+    """Identity on (up, gate) whose backward casts [d_up | d_gate] with delayed scaling and hands it to
+    the GEMM through grad_fp8 (returning no gradient): the reference path's swiglu(..., grad_fp8=)."""
+
+    @staticmethod
+    def forward(ctx, up, gate, grad_fp8):
+        ctx.grad_fp8 = grad_fp8
+        return up.view_as(up), gate.view_as(gate)
+
+    @staticmethod
+    def backward(ctx, d_up, d_gate):
+        n, handoff = d_up.shape[-1], ctx.grad_fp8
+        joined = torch.cat([d_up.reshape(-1, n), d_gate.reshape(-1, n)], dim=1)  # [rows, 2n]
+        handoff.cast = cast_delayed(joined, handoff.dtype, handoff.history, row=True, col=True)
+        return None, None, None
 
 
 class _AmaxOfGradients(torch.autograd.Function):
@@ -64,8 +87,8 @@ class _AmaxOfGradients(torch.autograd.Function):
         return d_up, d_gate, None
 
 
-def swiglu(up: torch.Tensor, gate: torch.Tensor, amaxes: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-           ) -> torch.Tensor:
+def swiglu(up: torch.Tensor, gate: torch.Tensor, amaxes: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+           grad_fp8: Optional[Fp8GradHandoff] = None) -> torch.Tensor:
     """silu(gate) * up (silu(g) = g * sigmoid(g)), the gated MLP's activation: up and gate [*, n] of
     one shape, dtype and device, each with last-dim stride 1 and any other strides (typically the two
     column halves of one [*, 2n] GEMM output) -> a new contiguous [*, n] tensor. Computes in fp32 and
@@ -81,6 +104,12 @@ def swiglu(up: torch.Tensor, gate: torch.Tensor, amaxes: Optional[Tuple[torch.Te
     forward writes max |h| into h_amax, the backward the max |.| of d_up and d_gate into grad_amax
     before returning them: on the Triton path in the same passes that write those tensors, so the
     GEMMs' fp8 casts need not read them once more for their scales (NaN propagates, as in quantize).
+
+    grad_fp8 (fp8 delayed scaling; up and gate the halves of one [*, 2n] GEMM output): the backward
+    casts [d_up | d_gate] [rows, 2n] to grad_fp8.dtype with the scale from grad_fp8.history
+    (kernels.fp8.cast_delayed, bit for bit) and hands it to the GEMM's backward through grad_fp8
+    instead of returning gradients: on the Triton path in the pass that computes them, so the
+    compute-dtype gradient is never written.
     """
     if up.dim() == 0 or up.shape != gate.shape:
         raise ValueError(f"swiglu: up {tuple(up.shape)} and gate {tuple(gate.shape)} must be [*, n] of one shape")
@@ -95,8 +124,12 @@ def swiglu(up: torch.Tensor, gate: torch.Tensor, amaxes: Optional[Tuple[torch.Te
             a.shape != () or a.dtype != torch.float32 or a.device != up.device for a in amaxes)):
         raise ValueError("swiglu: amaxes must be two 0-d float32 tensors on up's device, got "
                          f"{[(tuple(a.shape), a.dtype, str(a.device)) for a in amaxes]}")
+    if grad_fp8 is not None and (amaxes is not None or joined_column_blocks([up, gate]) is None):
+        raise ValueError("swiglu: grad_fp8 needs up and gate as the two halves of one [*, 2n] tensor, and no amaxes")
     if dispatch.pick(up) == "triton" and up.is_floating_point() and up.dtype != torch.float64:
-        return _TritonSwiGLU.apply(up, gate, amaxes)
+        return _TritonSwiGLU.apply(up, gate, amaxes, grad_fp8)
+    if grad_fp8 is not None:
+        return swiglu_reference(*_CastGradients.apply(up, gate, grad_fp8))
     if amaxes is None:
         return swiglu_reference(up, gate)
     h_amax, grad_amax = amaxes

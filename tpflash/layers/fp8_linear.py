@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from ..kernels import column_sum
 from ..kernels.column_sum import concat_rows
-from ..kernels.fp8 import (E4M3, E5M2, Fp8Weight, cast, cast_delayed, cast_stacked, check_fp8_device, column_major,
-                           scaled_mm, tensor_amax)
+from ..kernels.fp8 import (E4M3, E5M2, Fp8GradHandoff, Fp8Weight, cast, cast_delayed, cast_stacked, check_fp8_device,
+                           column_major, scaled_mm, tensor_amax)
 from ..parallel import comm
 from .fp8_history import GemmHistory
 from .weight_casts import adjacent_rows
@@ -73,10 +73,13 @@ class Fp8Amaxes(NamedTuple):
     a 0-d fp32 tensor that holds the amax of the outputs' gradient [M, sum out_i] by the time the
     backward runs (the consumer's backward writes it: tpflash.kernels.swiglu); either may be None, and
     then the cast reads its tensor once more for it. delayed: `history`, the GEMM's amax histories
-    (tpflash.layers.fp8_history; required)."""
+    (tpflash.layers.fp8_history; required); `grad_fp8`, where the consumer's backward hands over the
+    outputs' gradient already cast (kernels.fp8.Fp8GradHandoff; only for a GEMM without biases, while
+    the history is delayed)."""
     input: Optional[torch.Tensor] = None
     grad: Optional[torch.Tensor] = None
     history: Optional[GemmHistory] = None
+    grad_fp8: Optional[Fp8GradHandoff] = None
 
 
 def _cast_input(x: torch.Tensor, recipe: str, sp: Optional[_Gather], amax: Optional[torch.Tensor] = None,
@@ -137,6 +140,11 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.grad_amax = amaxes.grad  # an attribute: filled by the consumer's backward before this one runs
         # delayed: decided once per forward, so that a recomputed forward and the backward cast alike
         ctx.history, ctx.delayed = history, delayed = amaxes.history, amaxes.history is not None and amaxes.history.delayed
+        ctx.grad_fp8 = amaxes.grad_fp8 if delayed else None
+        if ctx.grad_fp8 is not None and biases[0] is not None:
+            raise ValueError("fp8 delayed: a gradient handed over in fp8 (grad_fp8) leaves no bias gradient; "
+                             "the GEMM must have no biases")
+        ctx.set_materialize_grads(False)  # a None output gradient costs no zeros unless the backward needs them
         ctx.sizes = [w.shape[0] for w in weights]
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.full_shape = x.shape if sp is None else \
@@ -173,14 +181,18 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, *grad_ys):
         n, sp = len(ctx.sizes), ctx.sp
         m = ctx.full_shape[:-1].numel()
-        grads = [torch.zeros(m, size, dtype=ctx.out_dtype, device=ctx.device) if g is None else g.reshape(m, size)
-                 for g, size in zip(grad_ys, ctx.sizes)]
-        dy = grads[0] if n == 1 else concat_rows(grads)  # [M, N]; no copy where they are one buffer's blocks
+        dy = None  # [M, N]; none where the consumer handed it over in fp8
+        if ctx.grad_fp8 is None:
+            grads = [torch.zeros(m, size, dtype=ctx.out_dtype, device=ctx.device) if g is None else g.reshape(m, size)
+                     for g, size in zip(grad_ys, ctx.sizes)]
+            dy = grads[0] if n == 1 else concat_rows(grads)  # no copy where they are one buffer's blocks
         want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[_PARAMS:_PARAMS + n])
         dx = dw = None
         if ctx.recipe in TENSOR_SCALED:
             x8, sx, w8, sw = ctx.saved_tensors  # [M, K], [N, K] column-major (under sp x8 row-major: copied)
-            if ctx.delayed:
+            if ctx.grad_fp8 is not None:  # [M, N] e5m2 in both layouts, from the consumer's backward
+                dy8, dy8_col, sdy = ctx.grad_fp8.take()
+            elif ctx.delayed:
                 dy8, dy8_col, sdy = cast_delayed(dy, E5M2, ctx.history.dy, row=want_dx, col=want_dw)  # [M, N]
             else:
                 dy8, dy8_col, sdy = cast(dy, E5M2, None, ctx.grad_amax, row=want_dx, col=want_dw,
@@ -237,9 +249,9 @@ def fp8_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequen
     if sequence_parallel_group is not None and sequence_parallel_group.size() > 1:
         sp = _Gather(sequence_parallel_group, seq_dim % x.dim())
     if recipe == "delayed":  # the casts take their amaxes from the histories
-        amaxes = Fp8Amaxes(history=amaxes.history)
+        amaxes = Fp8Amaxes(history=amaxes.history, grad_fp8=amaxes.grad_fp8)
     elif recipe == "tensorwise" and amaxes is not None:
-        amaxes = amaxes._replace(history=None)
+        amaxes = amaxes._replace(history=None, grad_fp8=None)
     else:
         amaxes = Fp8Amaxes()
     if x.dtype != out_dtype:

@@ -12,6 +12,7 @@ from ..parallel.state import group_size, resolve_tp_group, sublayer_group
 from ..kernels.dispatch import requested_backend, use_backend
 from ..kernels.fused_dense import fused_dense_gelu_dense
 from ..kernels.reference import ACTIVATION_FUNCTIONS
+from ..kernels.fp8 import Fp8GradHandoff
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe
 from .recompute import recomputed_when_saved
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears
@@ -124,14 +125,20 @@ class ParallelMLP(nn.Module):
             # the casts of the GEMMs on either side (each a 0-d fp32, filled by swiglu's forward / backward)
             amaxes = [torch.empty((), device=x.device, dtype=torch.float32) for _ in range(2)] \
                 if self.fp8 == "tensorwise" and torch.is_grad_enabled() else None
+            # delayed fp8: swiglu's backward writes [d_up | d_gate] in e5m2 for the GEMM's backward (no biases)
+            grad_fp8 = None
+            if self.fp8 == "delayed" and torch.is_grad_enabled() and self.fp8_history is not None \
+                    and self.fp8_history.delayed and self.up_proj.bias is None:
+                grad_fp8 = Fp8GradHandoff(self.fp8_history.dy)
             up, gate = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
                                                self.process_group, self.sequence_parallel, self.up_proj.overlap,
                                                fp8=self.fp8,
                                                fp8_amaxes=Fp8Amaxes(grad=amaxes[1] if amaxes else None,
-                                                                    history=self.fp8_history))  # [seq, b, ffn/tp] each
+                                                                    history=self.fp8_history,
+                                                                    grad_fp8=grad_fp8))  # [seq, b, ffn/tp] each
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
             activation = partial(kernels.swiglu, up, gate)
-            h = kernels.swiglu(up, gate, amaxes)
+            h = kernels.swiglu(up, gate, amaxes, grad_fp8)
         remake = _on_the_same_kernels(activation) if self.recompute_activation and torch.is_grad_enabled() else None
         with recomputed_when_saved(h, remake):  # h not kept for the backward when remade there
             return self.down_proj(h, fp8_input_amax=amaxes[0] if amaxes else None)  # [seq(/tp), b, hidden]
