@@ -159,7 +159,7 @@ def smoke(tmp_path, impls):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("package, impls", [
-    (None, "plain,tpflash-graphs,tpflash-fp8-rowwise,tpflash-fp8-tensorwise,liger,liger-compile"),
+    (None, "plain,tpflash-graphs,tpflash-fp8-rowwise,tpflash-fp8-tensorwise,tpflash-fp8-delayed,liger,liger-compile"),
     ("torchao.float8", "plain,torchao-fp8-compile,torchao-fp8-tensorwise-compile"),
     ("torchtitan", "torchtitan,torchtitan-fp8")])
 def test_the_tiny_smoke_run_times_the_fp8_rows_and_the_peers(tmp_path, package, impls):

@@ -20,7 +20,7 @@ def _write_run(runs_dir, mode, losses, eval_loss):
 
 
 def test_the_accuracy_config_is_a_valid_trainer_config_for_each_mode():
-    for mode in ("off", "rowwise", "tensorwise"):
+    for mode in ("off", "rowwise", "tensorwise", "delayed"):
         cfg = parse_args(["--config", os.path.join(ROOT, "benchmarks", "fp8_accuracy.yaml"), f"--model.fp8={mode}"])
         assert cfg.model["preset"] == "llama-1b" and cfg.model["fp8"] in (mode, False)  # YAML: off is false
         assert cfg.train.warmup_steps + cfg.train.decay_steps == cfg.train.steps == 1000
@@ -45,7 +45,7 @@ def test_a_nan_loss_is_reported(tmp_path):
 def test_no_runs_is_one_clear_message(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fp8_accuracy_plot.py"), str(tmp_path)],
                           capture_output=True, text=True)
-    assert proc.returncode != 0 and "no ('off', 'rowwise', 'tensorwise') runs" in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "no ('off', 'rowwise', 'tensorwise', 'delayed') runs" in proc.stderr, proc.stderr
 
 
 def test_the_mean_table_averages_each_mode_over_the_seeds_and_shows_each_seeds_gap(tmp_path):

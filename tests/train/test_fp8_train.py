@@ -7,13 +7,16 @@ from tests.train.test_resume_config import copy_of, corpus, gpt_config, steps_bo
 pytestmark = pytest.mark.cpu_ranks
 
 
-def test_an_fp8_checkpoint_resumes_without_fp8_at_another_tp(ranks, corpus, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("recipe,resumed_with", [("rowwise", "off"), ("delayed", "off"), ("off", "delayed")])
+def test_an_fp8_checkpoint_resumes_with_fp8_changed_at_another_tp(ranks, corpus, tmp_path, recipe,  # noqa: F811
+                                                                  resumed_with):
+    """delayed: its amax histories are not saved; a resumed run records them afresh in its first step."""
     ckpt = str(tmp_path / "ckpt")
-    cfg = gpt_config(corpus, ckpt, model={"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "fp8": "rowwise"})
+    cfg = gpt_config(corpus, ckpt, model={"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "fp8": recipe})
     cfg.tp = 2
     (start, losses, _), _ = ranks(2).run(steps_body, cfg, 4)
     assert start == 0 and losses[-1] < losses[0]
-    resumed = gpt_config(corpus, ckpt, model={"fp8": "off"})
+    resumed = gpt_config(corpus, ckpt, model={"fp8": resumed_with})
     start, more, _ = ranks(1).run(steps_body, resumed, 2)[0]
     assert start == 4
     assert abs(more[0] - losses[-1]) < 0.1 * losses[0]  # the saved weights, not a fresh model

@@ -80,7 +80,10 @@ class Trainer:
         graph_params = self.zero3.graph_sync().graph_params() if self.zero3 is not None else None
         self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device, self.ps.dp_size,
                                                                        self.dp_mode, graph_params)
-        if self.cuda_graphs:
+        # fp8 delayed scaling records its first amaxes in an eager step: the graphs are captured after it,
+        # so that its memory and the graphs' are not held at once (tpflash.layers.fp8_history)
+        self._capture_after_first_step = self.cuda_graphs and getattr(self.model_config, "fp8", "off") == "delayed"
+        if self.cuda_graphs and not self._capture_after_first_step:
             self._capture_cuda_graphs()
         # replicated over dp (x cp): the training forward goes through DDP, whose backward all-reduces the
         # gradients bucket by bucket as they become ready (None under FSDP or zero1, or at dp=1)
@@ -280,6 +283,9 @@ class Trainer:
             self.zero.zero_grad()
         self.schedule.step()
         self.step += 1
+        if self._capture_after_first_step:
+            self._capture_after_first_step = False
+            self._capture_cuda_graphs()
         return {"loss": loss_sum / divisor, "grad_norm": norm, "lr": lr}
 
     def _gradient_sync(self, last_micro_batch: bool):
