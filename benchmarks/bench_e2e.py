@@ -88,16 +88,12 @@ SHUTDOWN_WAIT_S = 30.0  # after the table: how long destroying the process group
 
 # ---- building and measuring one configuration (the timing itself: e2e_timing.py) ----------------
 
-def _prime_amax_histories(model, args, ps) -> None:
-    """fp8 delayed scaling: one eager forward and backward (no update) before the capture, so that the
-    amax histories hold real amaxes and every later step replays the graphs, as the trainer captures
-    after its first step (tpflash.layers.fp8_history)."""
+def _prime_fp8_scaling(model, args, ps) -> None:
+    """fp8 delayed scaling: the amax histories recorded over a batch before the capture (GPT.prime_fp8_scaling),
+    as the trainer does, so that every step replays the graphs."""
     gen = torch.Generator().manual_seed(4321 + ps.dp_rank)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(ps.device)
-    with torch.autocast(ps.device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-        loss = model(idx[:, :-1], idx[:, 1:])
-    loss.backward()
-    model.zero_grad(set_to_none=True)
+    model.prime_fp8_scaling(idx[:, :-1], idx[:, 1:])
 
 
 def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
@@ -134,9 +130,9 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
             sync = getattr(model, "zero1", None)
             sync = sync.sync_in_graphs(model.blocks) if sync is not None and args.zero1_in_graphs == "on" else None
             zero3 = getattr(model, "zero3", None)
-            if impl == "tpflash-fp8-delayed" and zero3 is None and sync is None:
-                _prime_amax_histories(model, args, ps)  # else the first timed warm-up step primes them, eagerly
             with torch.autocast(ps.device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+                if impl == "tpflash-fp8-delayed" and zero3 is None and getattr(model, "zero1", None) is None:
+                    _prime_fp8_scaling(model, args, ps)  # else the first warm-up step records them, eagerly
                 if zero3 is not None:  # its gathers and reductions are captured too
                     zero3.capture_cuda_graphs(model, args.batch, args.seq)
                 else:

@@ -142,13 +142,19 @@ def swiglu_operands(rows=24, n=40, device="cpu"):
     return y, y[:, :n], y[:, n:], dh
 
 
+def unfused_gradient(up, gate, dh):
+    """[d_up | d_gate] as swiglu's backward writes them (not summed into a leaf's .grad, where -0.0 + 0.0
+    would turn negative zeros positive)."""
+    d_up, d_gate = torch.autograd.grad(swiglu(up, gate), (up, gate), dh)
+    return torch.cat([d_up, d_gate], dim=1)
+
+
 @BACKENDS
 def test_swiglu_hands_the_gemm_its_gradient_cast_with_the_history_instead_of_returning_it(backend):
     history, want_history = torch.tensor([0.0, 0.5, 2.0]), torch.tensor([0.0, 0.5, 2.0])
     with dispatch.use_backend(backend):
         y, up, gate, dh = swiglu_operands()
-        swiglu(up, gate).backward(dh)
-        want = cast_delayed(y.grad, E5M2, want_history, row=True, col=True)
+        want = cast_delayed(unfused_gradient(up, gate, dh), E5M2, want_history, row=True, col=True)
         y, up, gate, dh = swiglu_operands()
         handoff = Fp8GradHandoff(history)
         swiglu(up, gate, grad_fp8=handoff).backward(dh)
@@ -196,15 +202,18 @@ def train(model, steps, autocast=False, graphs=False):
     return train_on(model, "cpu", steps, graphs, autocast)
 
 
-def train_on(model, device, steps, graphs, autocast=True):
-    """AdamW steps on a repeating pattern (under bf16 autocast), each step's loss; graphs: captured first."""
+def train_on(model, device, steps, graphs, autocast=True, prime=False):
+    """AdamW steps on a repeating pattern (under bf16 autocast), each step's loss; graphs: captured first
+    (after prime_fp8_scaling over the first batch with `prime`)."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)
     pattern = torch.randint(0, 64, (8,), generator=gen)
     idx = pattern.repeat(4, 4)[:, :17].to(device)
     context = torch.autocast(device, dtype=torch.bfloat16, enabled=autocast)
-    if graphs:
-        with context:
+    with context:
+        if prime:
+            model.prime_fp8_scaling(idx[:, :-1], idx[:, 1:])
+        if graphs:
             model.capture_cuda_graphs(4, 16)
     losses = []
     for _ in range(steps):
@@ -242,6 +251,30 @@ def test_graphed_delayed_steps_replay_the_eager_steps_bits_from_the_second_step(
     assert torch.equal(graphed_model.fp8_history.table, eager_model.fp8_history.table)
 
 
+def test_graphs_captured_after_priming_replay_every_step_and_train_as_without_priming():
+    """The priming pass records the first batch's amaxes with the weights the first step has: its scales
+    are those current scaling gives, so the curve is the unprimed one, bit for bit."""
+    torch.manual_seed(0)
+    eager = train(GPT(tiny_config("delayed")), 4, autocast=True)
+    torch.manual_seed(0)
+    model = GPT(tiny_config("delayed"))
+    primed = train_on(model, "cpu", 4, graphs=True, prime=True)
+    assert primed == eager
+    assert model._graphed_blocks.forward_generation == 4
+    assert all(p.grad is None for p in model.parameters())  # none left by the priming pass (zero_grad: None)
+
+
+def test_priming_keeps_the_gradients_there_were():
+    torch.manual_seed(0)
+    model = GPT(tiny_config("delayed"))
+    idx = torch.randint(0, 64, (2, 9))
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    model.prime_fp8_scaling(idx[:, :-1], idx[:, 1:])
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
+    assert model.fp8_history.table[:, 0].gt(0).all()  # the priming pass recorded every amax
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -277,8 +310,7 @@ def test_a_graphed_delayed_gpt_replays_the_eager_steps_on_gpu():
 def test_swiglu_hands_over_the_gradient_cast_as_the_unfused_cast_does_on_gpu(rows, n):
     history, want_history = (torch.tensor([0.0, 3.0, 1.0], device="cuda") for _ in range(2))
     y, up, gate, dh = swiglu_operands(rows, n, "cuda")
-    swiglu(up, gate).backward(dh)
-    want = cast_delayed(y.grad, E5M2, want_history, row=True, col=True)
+    want = cast_delayed(unfused_gradient(up, gate, dh), E5M2, want_history, row=True, col=True)
     y, up, gate, dh = swiglu_operands(rows, n, "cuda")
     handoff = Fp8GradHandoff(history)
     swiglu(up, gate, grad_fp8=handoff).backward(dh)

@@ -148,7 +148,7 @@ def _swiglu_backward_fp8_kernel(UP, GATE, DH, OUT_ROW, OUT_COL, SCALE, HISTORY, 
 
 # The fp8 backward's tile: the casts' (fp8_cast_kernel.CAST_TILE), whose column-major stores write 64
 # contiguous bytes per column.
-FP8_BACKWARD_LAUNCH = {"BLOCK_R": 64, "BLOCK_C": 64, "WARPS": 4}
+FP8_BACKWARD_LAUNCH = {"BLOCK_R": 32, "BLOCK_C": 64, "WARPS": 4}
 FP8_INTERPRET_LAUNCH = {"BLOCK_R": 4, "BLOCK_C": 8, "WARPS": 1}
 HISTORY_BLOCK = 16  # the amax history is reduced this many entries at a time
 

@@ -201,6 +201,23 @@ class GPT(nn.Module):
             self.fp8_history = AmaxHistory(layers, self.head_weight.device, self.process_group)
         return self.fp8_history
 
+    def prime_fp8_scaling(self, idx: torch.Tensor, targets: torch.Tensor, **forward_kw) -> None:
+        """fp8="delayed": one training forward and backward of (idx, targets) that records every fp8
+        tensor's amax into the histories and leaves the rest as it was (the gradients it makes are
+        dropped), so that the first training step already scales by them and CUDA graphs captured
+        after this replay from that step on. Call it under the training autocast, before
+        capture_cuda_graphs, on every tp rank; not under sharded data parallelism, whose gradient hooks
+        it would run (the first step then records the amaxes, eagerly). No-op for other recipes."""
+        if self._amax_history() is None:
+            return
+        kept = [p.grad for p in self.parameters()]
+        self.zero_grad(set_to_none=True)  # else the backward adds into the kept tensors
+        loss = self(idx, targets, **forward_kw)
+        with torch.autocast(idx.device.type, enabled=False):  # as a training step's backward runs
+            loss.backward()
+        for p, grad in zip(self.parameters(), kept):
+            p.grad = grad
+
     def _hidden_states(self, idx: torch.Tensor, block_kw: Dict) -> torch.Tensor:
         x, residual = self.embed(idx, block_kw.get("position_ids")), None
         history = self._amax_history()

@@ -80,10 +80,7 @@ class Trainer:
         graph_params = self.zero3.graph_sync().graph_params() if self.zero3 is not None else None
         self.cuda_graphs, self.cuda_graphs_why = build.use_cuda_graphs(cfg, self.model, self.device, self.ps.dp_size,
                                                                        self.dp_mode, graph_params)
-        # fp8 delayed scaling records its first amaxes in an eager step: the graphs are captured after it,
-        # so that its memory and the graphs' are not held at once (tpflash.layers.fp8_history)
-        self._capture_after_first_step = self.cuda_graphs and getattr(self.model_config, "fp8", "off") == "delayed"
-        if self.cuda_graphs and not self._capture_after_first_step:
+        if self.cuda_graphs:
             self._capture_cuda_graphs()
         # replicated over dp (x cp): the training forward goes through DDP, whose backward all-reduces the
         # gradients bucket by bucket as they become ready (None under FSDP or zero1, or at dp=1)
@@ -104,6 +101,11 @@ class Trainer:
         if self.zero is not None and self.plan.grad_accum == 1 and self.ps.dp_cp_size > 1:
             sync = self.zero.sync_in_graphs(self.model.blocks)
         with build.autocast(self.device, self.amp_dtype):
+            if self.zero is None and hasattr(self.model, "prime_fp8_scaling"):  # fp8 delayed: the first
+                # batch's amaxes recorded, so that the first step replays the graphs too (a no-op otherwise)
+                indices = self.sampler.rank_slice(self.plan.batch_size, self.ps.dp_rank, self.ps.dp_size)
+                x, y, kwargs = self._micro_batch(self.train_data, indices[:self.plan.micro])
+                self.model.prime_fp8_scaling(x, y, **kwargs)
             self.model.capture_cuda_graphs(self.plan.micro, self.seq_len, **({"dp_sync": sync} if sync else {}))
         if sync is not None:
             self.zero.use_graph_sync(sync)
@@ -283,9 +285,6 @@ class Trainer:
             self.zero.zero_grad()
         self.schedule.step()
         self.step += 1
-        if self._capture_after_first_step:
-            self._capture_after_first_step = False
-            self._capture_cuda_graphs()
         return {"loss": loss_sum / divisor, "grad_norm": norm, "lr": lr}
 
     def _gradient_sync(self, last_micro_batch: bool):
