@@ -1,4 +1,4 @@
-"""FP8 quantisation with current (per-call) scaling, and the scaled GEMM of two fp8 operands.
+"""FP8 quantisation with current (per-call) or delayed scaling, and the scaled GEMM of two fp8 operands.
 
     x8, scale = quantize(x, torch.float8_e4m3fn, dim=-1)   # x ~= x8.float() * scale
     y = scaled_mm(a8, scale_a, b8, scale_b, torch.bfloat16)  # (a8 * scale_a) @ (b8 * scale_b)
@@ -12,6 +12,8 @@ Transformer Engine's current scaling do; an all-zero slice gets a tiny amax rath
 `cast(x, dtype, dim, amax, row=, col=)` is quantize in one or two passes over x (Triton on CUDA,
 tpflash.kernels.fp8_cast_kernel; quantize itself on CPU), writing x8 in the layouts the GEMM takes
 without a copy: row-major, column-major (a contiguous [K, M] seen as [M, K]) or both at once.
+`cast_delayed(x, dtype, history)` is the tensor-scaled cast by an amax history's previous entries
+(delayed scaling: x read once), which max-es x's amax into the history's current entry as it casts.
 
 `scaled_mm` runs torch._scaled_mm on CUDA (a [M, K] row-major, b [K, N] column-major; rowwise
 scales need bf16 output there) and, elsewhere or for shapes it does not take (dims not multiples of

@@ -1,5 +1,5 @@
 """Triton fp8 casts with current scaling (amax, scale and cast of a [rows, cols] matrix in one or two
-passes), equal bit for bit to tpflash.kernels.fp8.quantize.
+passes) or delayed scaling (one pass), equal bit for bit to tpflash.kernels.fp8.quantize.
 
 How the scales are taken (SCALE_BY):
   ROWS     one per row (scale [rows, 1]): a cast program owns BLOCK_R whole rows, takes their amax in
@@ -10,7 +10,9 @@ How the scales are taken (SCALE_BY):
            columns' maxima over the splits. Two reads of x.
   TENSOR   one ([]): `_amax_kernel` writes one maximum per program (fp32 [programs]), or the caller
            gives the amax (e.g. reduced over ranks; then x is read once); every cast program reduces
-           them first, so no launch sits between the two kernels.
+           them first, so no launch sits between the two kernels. With PAST_AMAX the given values are
+           an amax history's previous entries (delayed scaling; all zeros scale by 1), and with
+           RECORD every program max-es the amax of its tile into the history's current entry.
 The cast writes x8 row-major ([rows, cols] contiguous), column-major (the same matrix stored as a
 contiguous [cols, rows]: torch._scaled_mm's second operand, and the transpose of its first), or both
 from one read (16-bit x; for fp32 x, the row-major bytes transposed: see triton_cast). Scales follow quantize's

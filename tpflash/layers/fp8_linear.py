@@ -2,9 +2,9 @@
 
 `fp8_linears(x, weights, biases, recipe)` is `autocast_linear.linears` with fp8 GEMMs: the weights
 sharing the input x (q/k/v, up/gate) are stacked into one GEMM per direction. Master weights, their
-gradients (fp32) and the optimizer are unchanged, and nothing fp8 is kept between steps: scales are
-computed from each operand when it is cast ("current scaling"), so checkpoints do not depend on the
-recipe and a bf16 run can resume an fp8 run and the reverse.
+gradients (fp32) and the optimizer are unchanged, and checkpoints hold nothing fp8: rowwise and
+tensorwise compute each scale from its operand when it is cast ("current scaling"), and delayed's
+amax histories start again on resume, so a bf16 run can resume an fp8 run and the reverse.
 
 Recipes (the GEMM y = x W^T, x [M, K], W [N, K], dY [M, N]):
   tensorwise  one scale per tensor. x and W in e4m3, dY in e5m2 (its wider range, for gradients whose
@@ -17,11 +17,17 @@ Recipes (the GEMM y = x W^T, x [M, K], W [N, K], dY [M, N]):
               along N (per column); dW = dY^T x from dY and x scaled along M. Finer scales follow
               outlier tokens and channels that one tensor scale would crush; the backward re-casts x
               and W along other axes, so the bf16 x is saved.
+  delayed     tensorwise's formats and GEMMs, each scale from the amaxes its tensor had in the previous
+              steps (tpflash.layers.fp8_history: Transformer Engine's delayed scaling), so each cast
+              reads its tensor once, recording the amax as it goes, and the MLP's SwiGLU backward
+              writes the up/gate GEMM's gradient in e5m2 itself (Fp8Amaxes.grad_fp8). A tensor whose
+              amax grew past its history's saturates at the format's largest value.
 
 Under tensor parallelism each rank quantises the operands it multiplies (its weight shard, its
 part of the input features): scales are per shard, so tp=N differs from tp=1 by fp8 rounding, not
 by a scheme. Under sequence parallelism the input is cast before the all-gather, which then moves
-fp8 (`_cast_input`); the one collective this adds is the tensorwise amax's reduction over tp. The
+fp8 (`_cast_input`); the one collective this adds is the tensorwise amax's reduction over tp (none
+under delayed, whose histories are reduced over tp once a step). The
 casts are tpflash.kernels.fp8.cast (fused Triton kernels on CUDA, quantize elsewhere), which write
 each fp8 operand in the layout its GEMM takes it in: row-major first operands, column-major second
 ones (torch._scaled_mm's), so that no GEMM copies one; tensorwise writes x in both layouts from one
@@ -42,8 +48,8 @@ import torch.distributed as dist
 
 from ..kernels import column_sum
 from ..kernels.column_sum import concat_rows
-from ..kernels.fp8 import (E4M3, E5M2, Fp8GradHandoff, Fp8Weight, cast, cast_delayed, cast_stacked, check_fp8_device,
-                           column_major, scaled_mm, tensor_amax)
+from ..kernels.fp8 import (E4M3, E5M2, Fp8Cast, Fp8GradHandoff, Fp8Weight, cast, cast_delayed, cast_stacked,
+                           check_fp8_device, column_major, scaled_mm, tensor_amax)
 from ..parallel import comm
 from .fp8_history import GemmHistory
 from .weight_casts import adjacent_rows
@@ -82,27 +88,34 @@ class Fp8Amaxes(NamedTuple):
     grad_fp8: Optional[Fp8GradHandoff] = None
 
 
+def _tensor_cast(t: torch.Tensor, fmt: torch.dtype, history: Optional[torch.Tensor], delayed: bool,
+                 amax: Optional[torch.Tensor] = None, row: bool = True, col: bool = False) -> Fp8Cast:
+    """t cast with one scale: with `delayed`, the one its amax history gives (cast_delayed), else its
+    own amax (given, or taken from t), recorded into the history where there is one (the first,
+    priming forward of a delayed-scaling model)."""
+    if delayed:
+        return cast_delayed(t, fmt, history, row, col)
+    return cast(t, fmt, None, amax, row, col, record=None if history is None else history[:1])
+
+
 def _cast_input(x: torch.Tensor, recipe: str, sp: Optional[_Gather], amax: Optional[torch.Tensor] = None,
-                history: Optional[GemmHistory] = None, delayed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                history: Optional[torch.Tensor] = None, delayed: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """(x8 [M, K] of the whole input, row-major; its scale: [M, 1] rowwise, 0-d otherwise). Under
     sequence parallelism this rank's tokens are cast and the fp8 bytes gathered with their scales
     (half the bytes of a bf16 gather), equal bit for bit to gathering x and casting after: rowwise
     scales are per token, the tensorwise amax is reduced over the group first, and delayed scales
-    come from histories the group shares. amax: x's, given (tensorwise). history: the GEMM's (its
-    x entry records x's amax); delayed: scale x by it."""
+    come from histories the group shares. amax: x's, given (tensorwise). history: x's amax history
+    (it records x's amax); delayed: scale x by it."""
     rowwise = recipe == "rowwise"
-    record = None if history is None else history.x[:1]
-    if delayed:
-        x8, _, scale = cast_delayed(x, E4M3, history.x)
-    elif sp is None:
-        x8, _, scale = cast(x, E4M3, -1 if rowwise else None, None if rowwise else amax, record=record)
-    elif rowwise:
+    if rowwise:
         x8, _, scale = cast(x, E4M3, -1)  # [seq/tp, ..., 1] scales travel with their tokens
-        scale = comm.all_gather(scale, sp.seq_dim, sp.group)
+        if sp is not None:
+            scale = comm.all_gather(scale, sp.seq_dim, sp.group)
     else:
-        amax = tensor_amax(x) if amax is None else amax.clone()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=sp.group)
-        x8, _, scale = cast(x, E4M3, None, amax, record=record)
+        if sp is not None and not delayed:
+            amax = tensor_amax(x) if amax is None else amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=sp.group)
+        x8, _, scale = _tensor_cast(x, E4M3, history, delayed, amax)
     if sp is not None:  # as bytes: not every backend moves fp8 dtypes
         x8 = comm.all_gather(x8.view(torch.uint8), sp.seq_dim, sp.group).view(x8.dtype)
     return x8.reshape(-1, x8.shape[-1]), scale.reshape(-1, 1) if rowwise else scale
@@ -139,8 +152,9 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.recipe, ctx.sp, ctx.out_dtype, ctx.device = recipe, sp, out_dtype, x.device
         ctx.grad_amax = amaxes.grad  # an attribute: filled by the consumer's backward before this one runs
         # delayed: decided once per forward, so that a recomputed forward and the backward cast alike
-        ctx.history, ctx.delayed = history, delayed = amaxes.history, amaxes.history is not None and amaxes.history.delayed
-        ctx.grad_fp8 = amaxes.grad_fp8 if delayed else None
+        history, delayed = amaxes.history, amaxes.history is not None and amaxes.history.delayed
+        hx, hw, ctx.history_dy = (None, None, None) if history is None else (history.x, history.w, history.dy)
+        ctx.delayed, ctx.grad_fp8 = delayed, amaxes.grad_fp8 if delayed else None
         if ctx.grad_fp8 is not None and biases[0] is not None:
             raise ValueError("fp8 delayed: a gradient handed over in fp8 (grad_fp8) leaves no bias gradient; "
                              "the GEMM must have no biases")
@@ -152,19 +166,16 @@ class _Fp8Linear(torch.autograd.Function):
         tensorwise = recipe in TENSOR_SCALED
         want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[_PARAMS:_PARAMS + n])
         if tensorwise and want_dw and sp is None:  # both layouts from one read: the column-major one for dW
-            x2 = x.reshape(-1, x.shape[-1])
-            x8, x8_saved, sx = cast_delayed(x2, E4M3, history.x, col=True) if delayed else \
-                cast(x2, E4M3, None, amaxes.input, col=True, record=None if history is None else history.x[:1])
+            x8, x8_saved, sx = _tensor_cast(x.reshape(-1, x.shape[-1]), E4M3, hx, delayed, amaxes.input, col=True)
         else:
-            x8, sx = _cast_input(x, recipe, sp, amaxes.input, history, delayed)  # [M, K]
+            x8, sx = _cast_input(x, recipe, sp, amaxes.input, hx, delayed)  # [M, K]
             x8_saved = x8  # under sp row-major: scaled_mm copies it for dW
         given = _given_fp8_weights(weights) if recipe == "tensorwise" else None
         if given is not None:  # cast by their holder: the backward's column-major copy is one transpose
             w8, sw = given
             w8_col, sw = (column_major(w8) if want_dx else None), sw.clone()  # the holder reuses its scale
         elif tensorwise:  # [N, K] stacked in fp8, not in the weights' fp32
-            w8, w8_col, sw = cast_stacked(weights, E4M3, col=want_dx, history=None if history is None else history.w,
-                                          delayed=delayed)
+            w8, w8_col, sw = cast_stacked(weights, E4M3, col=want_dx, history=hw, delayed=delayed)
         else:
             w = _stack(weights)  # [N, K], saved: the backward casts it per column
             w8, _, sw = cast(w, E4M3, -1)
@@ -192,11 +203,8 @@ class _Fp8Linear(torch.autograd.Function):
             x8, sx, w8, sw = ctx.saved_tensors  # [M, K], [N, K] column-major (under sp x8 row-major: copied)
             if ctx.grad_fp8 is not None:  # [M, N] e5m2 in both layouts, from the consumer's backward
                 dy8, dy8_col, sdy = ctx.grad_fp8.take()
-            elif ctx.delayed:
-                dy8, dy8_col, sdy = cast_delayed(dy, E5M2, ctx.history.dy, row=want_dx, col=want_dw)  # [M, N]
             else:
-                dy8, dy8_col, sdy = cast(dy, E5M2, None, ctx.grad_amax, row=want_dx, col=want_dw,
-                                         record=None if ctx.history is None else ctx.history.dy[:1])
+                dy8, dy8_col, sdy = _tensor_cast(dy, E5M2, ctx.history_dy, ctx.delayed, ctx.grad_amax, want_dx, want_dw)
             dx = scaled_mm(dy8, sdy, w8, sw, ctx.out_dtype) if want_dx else None
             dw = scaled_mm(dy8_col.t(), sdy, x8, sx, torch.float32) if want_dw else None
         else:
