@@ -11,7 +11,7 @@ from tests.kernels.helpers import needs_interpreter
 from tests.test_fp8_linear import MAX, assert_rel
 from tpflash.kernels import dispatch
 from tpflash.kernels import swiglu
-from tpflash.kernels.fp8 import E4M3, E5M2, Fp8GradHandoff, cast_delayed, cast_stacked, past_amax, quantize
+from tpflash.kernels.fp8 import E4M3, E5M2, Fp8Handoff, cast_delayed, cast_stacked, past_amax, quantize
 from tpflash.layers.fp8_history import HISTORY_LENGTH, AmaxHistory
 from tpflash.layers.fp8_linear import Fp8Amaxes, fp8_linears
 from tpflash.models import GPT, GPTConfig
@@ -156,7 +156,7 @@ def test_swiglu_hands_the_gemm_its_gradient_cast_with_the_history_instead_of_ret
         y, up, gate, dh = swiglu_operands()
         want = cast_delayed(unfused_gradient(up, gate, dh), E5M2, want_history, row=True, col=True)
         y, up, gate, dh = swiglu_operands()
-        handoff = Fp8GradHandoff(history)
+        handoff = Fp8Handoff(history, E5M2)
         swiglu(up, gate, grad_fp8=handoff).backward(dh)
     assert y.grad is None  # no compute-dtype gradient
     got = handoff.take()
@@ -168,29 +168,47 @@ def test_swiglu_hands_the_gemm_its_gradient_cast_with_the_history_instead_of_ret
 def test_swiglu_refuses_a_gradient_handoff_for_inputs_that_are_not_one_buffer():
     up, gate = torch.randn(4, 8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="grad_fp8 needs up and gate as the two halves"):
-        swiglu(up, gate, grad_fp8=Fp8GradHandoff(torch.zeros(3)))
+        swiglu(up, gate, grad_fp8=Fp8Handoff(torch.zeros(3), E5M2))
 
 
-def test_a_delayed_gpt_trains_alike_with_and_without_the_swiglu_gradient_handoff(monkeypatch):
-    """The MLP's up/gate GEMM takes its gradient from swiglu's backward in fp8 from the second step on
-    (the first casts with current scaling), and training is bit for bit what the unfused casts give
-    (the Triton kernel's bits: test_swiglu_hands_the_gemm_its_gradient...)."""
+def test_a_delayed_gpt_trains_alike_with_and_without_swiglu_writing_fp8(monkeypatch):
+    """From the second step on (the first casts with current scaling) swiglu hands the down GEMM h and
+    the up/gate GEMM its gradient in fp8, and training is bit for bit what the separate casts give
+    (the Triton kernels' bits: the swiglu tests above)."""
     import tpflash.layers.mlp as mlp
     taken = []
 
-    class Counted(Fp8GradHandoff):
+    class Counted(Fp8Handoff):
         def take(self):
-            taken.append(self)
+            taken.append(self.dtype)
             return super().take()
 
     def curve():
         torch.manual_seed(0)
         return train(GPT(tiny_config("delayed")), 4, autocast=True)
-    monkeypatch.setattr(mlp, "Fp8GradHandoff", Counted)
+    monkeypatch.setattr(mlp, "Fp8Handoff", Counted)
     fused = curve()
-    assert len(taken) == 3 * 2  # steps 2-4, two blocks
-    monkeypatch.setattr(mlp, "Fp8GradHandoff", lambda history: None)
+    assert taken == [E4M3, E4M3, E5M2, E5M2] * 3  # steps 2-4: each block's h forward, gradient backward
+    monkeypatch.setattr(mlp.ParallelMLP, "_fp8_handoffs", lambda self: (None, None))
     assert curve() == fused
+
+
+@BACKENDS
+def test_swiglu_hands_the_gemm_its_output_cast_with_the_history(backend):
+    history, want_history = torch.tensor([0.0, 0.5, 2.0]), torch.tensor([0.0, 0.5, 2.0])
+    with dispatch.use_backend(backend):
+        y, up, gate, dh = swiglu_operands()
+        h = swiglu(up, gate)
+        want = cast_delayed(h, E4M3, want_history, row=True, col=True)
+        handoff = Fp8Handoff(history, E4M3)
+        carrier = swiglu(up, gate, out_fp8=handoff)
+        carrier.backward(dh)  # the carrier takes h's gradient back to up and gate
+        want_grad = unfused_gradient(*swiglu_operands()[1:])
+    got = handoff.take()
+    assert torch.equal(as_bytes(got.row), as_bytes(want.row)) and torch.equal(as_bytes(got.col), as_bytes(want.col))
+    assert torch.equal(got.scale, want.scale) and torch.equal(history, want_history)
+    assert carrier.shape == h.shape and carrier.dtype == h.dtype
+    assert torch.equal(y.grad, want_grad)
 
 
 def tiny_config(fp8):
@@ -305,15 +323,19 @@ def test_a_graphed_delayed_gpt_replays_the_eager_steps_on_gpu():
     assert graphed_model._graphed_blocks.forward_generation == 5
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,n", [(8192, 2816), (1000, 72)])
-def test_swiglu_hands_over_the_gradient_cast_as_the_unfused_cast_does_on_gpu(rows, n):
-    history, want_history = (torch.tensor([0.0, 3.0, 1.0], device="cuda") for _ in range(2))
-    y, up, gate, dh = swiglu_operands(rows, n, "cuda")
-    want = cast_delayed(unfused_gradient(up, gate, dh), E5M2, want_history, row=True, col=True)
-    y, up, gate, dh = swiglu_operands(rows, n, "cuda")
-    handoff = Fp8GradHandoff(history)
-    swiglu(up, gate, grad_fp8=handoff).backward(dh)
-    got = handoff.take()
-    assert torch.equal(as_bytes(got.row), as_bytes(want.row)) and torch.equal(as_bytes(got.col), as_bytes(want.col))
-    assert torch.equal(got.scale, want.scale) and torch.equal(history, want_history)
+@pytest.mark.parametrize("device,rows,n", [pytest.param("cpu", 40, 24, marks=needs_interpreter),
+                                            pytest.param("cuda", 8192, 2816, marks=pytest.mark.gpu),
+                                            pytest.param("cuda", 1000, 72, marks=pytest.mark.gpu)])
+def test_swiglu_hands_over_h_and_its_gradient_cast_as_the_separate_casts_do(device, rows, n):
+    """The Triton kernels (on CPU, the interpreter) at once each way, against triton_swiglu's tensors cast."""
+    histories = [torch.tensor([0.0, 3.0, 1.0], device=device) for _ in range(4)]
+    y, up, gate, dh = swiglu_operands(rows, n, device)
+    with dispatch.use_backend("triton"):
+        want_h = cast_delayed(swiglu(up, gate), E4M3, histories[0], row=True, col=True)
+        want_grad = cast_delayed(unfused_gradient(up, gate, dh), E5M2, histories[1], row=True, col=True)
+        h_fp8, grad_fp8 = Fp8Handoff(histories[2], E4M3), Fp8Handoff(histories[3], E5M2)
+        swiglu(up, gate, grad_fp8=grad_fp8, out_fp8=h_fp8).backward(dh)
+    for got, want in ((h_fp8.take(), want_h), (grad_fp8.take(), want_grad)):
+        assert torch.equal(as_bytes(got.row), as_bytes(want.row))
+        assert torch.equal(as_bytes(got.col), as_bytes(want.col)) and torch.equal(got.scale, want.scale)
+    assert torch.equal(histories[0], histories[2]) and torch.equal(histories[1], histories[3])

@@ -69,21 +69,21 @@ class Fp8Cast(NamedTuple):
     scale: torch.Tensor  # [*, 1] (dim -1), [1, K] (dim 0 of a 2-D x), 0-d (dim None)
 
 
-class Fp8GradHandoff:
-    """Where a consumer's backward hands the GEMM that made its inputs that GEMM's output gradient
-    already cast (delayed scaling, so the scale is known before the gradient is: tpflash.kernels.swiglu
-    writes the up/gate GEMM's [d_up | d_gate] in e5m2), instead of returning it in the compute dtype
-    for the GEMM's backward to cast. history: the gradient's amax history ([n] fp32, cast_delayed's);
-    `cast`: an Fp8Cast with both layouts and the 0-d scale, set by the consumer's backward and taken
-    by the GEMM's."""
+class Fp8Handoff:
+    """A GEMM operand cast to fp8 by the kernel that computes it, handed to the GEMM instead of the
+    compute-dtype tensor being written and cast after: under delayed scaling the scale is known before
+    the tensor is (tpflash.kernels.swiglu writes its output in e4m3 for the down GEMM, and in its
+    backward the up/gate GEMM's [d_up | d_gate] in e5m2). history: the operand's amax history ([n]
+    fp32, cast_delayed's); dtype: its format; `cast`: an Fp8Cast with both layouts and the 0-d scale,
+    set by the producer and taken by the GEMM."""
 
-    def __init__(self, history: torch.Tensor, dtype: torch.dtype = E5M2):
+    def __init__(self, history: torch.Tensor, dtype: torch.dtype):
         self.history, self.dtype = history, dtype
         self.cast: Optional[Fp8Cast] = None
 
     def take(self) -> Fp8Cast:
         if self.cast is None:
-            raise RuntimeError("Fp8GradHandoff: the consumer's backward handed over no gradient")
+            raise RuntimeError("Fp8Handoff: its producer handed over no fp8 tensor")
         cast, self.cast = self.cast, None
         return cast
 

@@ -14,22 +14,25 @@ import torch
 
 from . import dispatch
 from .column_sum import joined_column_blocks
-from .fp8 import Fp8Cast, Fp8GradHandoff, amax_of, cast_delayed
+from .fp8 import Fp8Cast, Fp8Handoff, amax_of, cast_delayed
 from .reference import swiglu_reference
 
 
 class _TritonSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, up, gate, amaxes, grad_fp8):
-        from .swiglu_kernel import triton_swiglu
+    def forward(ctx, up, gate, amaxes, grad_fp8, out_fp8):
+        from .swiglu_kernel import triton_swiglu, triton_swiglu_fp8
         n = up.shape[-1]
         ctx.save_for_backward(up, gate)  # as given: the GEMM's halves stay views, no copy
         # ctx attributes, not saved tensors: under activation checkpointing the saved tensors are
         # recomputed ones, while the GEMM whose backward reads this amax (or gradient) holds the original
         ctx.grad_amax = None if amaxes is None else amaxes[1]
         ctx.grad_fp8 = grad_fp8
-        return triton_swiglu(up.reshape(-1, n), gate.reshape(-1, n),
-                             amax_out=None if amaxes is None else amaxes[0]).view(up.shape)
+        up2, gate2 = up.reshape(-1, n), gate.reshape(-1, n)
+        if out_fp8 is not None:  # h in fp8 for the GEMM; what is returned only carries h's gradient
+            out_fp8.cast = Fp8Cast(*triton_swiglu_fp8(up2, gate2, None, out_fp8.history, out_fp8.dtype))
+            return up.new_zeros(()).expand(up.shape)
+        return triton_swiglu(up2, gate2, amax_out=None if amaxes is None else amaxes[0]).view(up.shape)
 
     @staticmethod
     def backward(ctx, dh):
@@ -41,10 +44,10 @@ class _TritonSwiGLU(torch.autograd.Function):
             dh2 = dh2.contiguous()
         up2, gate2 = up.reshape(-1, n), gate.reshape(-1, n)
         if ctx.grad_fp8 is not None:  # [d_up | d_gate] cast for the GEMM's backward; none in the compute dtype
-            from .swiglu_kernel import triton_swiglu_backward_fp8
+            from .swiglu_kernel import triton_swiglu_fp8
             handoff = ctx.grad_fp8
-            handoff.cast = Fp8Cast(*triton_swiglu_backward_fp8(up2, gate2, dh2, handoff.history, handoff.dtype))
-            return None, None, None, None
+            handoff.cast = Fp8Cast(*triton_swiglu_fp8(up2, gate2, dh2, handoff.history, handoff.dtype))
+            return None, None, None, None, None
         if joined_column_blocks([up, gate]) is not None:
             # [d_up | d_gate] as one contiguous [*, 2n] buffer: the stacked GEMM's gradient as it is
             buf = torch.empty(up.shape[:-1] + (2 * n,), device=dh.device, dtype=dh.dtype)
@@ -52,7 +55,7 @@ class _TritonSwiGLU(torch.autograd.Function):
             triton_swiglu(up2, gate2, dh2, out=(d_up.view(-1, n), d_gate.view(-1, n)), amax_out=ctx.grad_amax)
         else:
             d_up, d_gate = (g.view(up.shape) for g in triton_swiglu(up2, gate2, dh2, amax_out=ctx.grad_amax))
-        return d_up, d_gate, None, None
+        return d_up, d_gate, None, None, None
 
 
 class _CastGradients(torch.autograd.Function):
@@ -88,7 +91,7 @@ class _AmaxOfGradients(torch.autograd.Function):
 
 
 def swiglu(up: torch.Tensor, gate: torch.Tensor, amaxes: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-           grad_fp8: Optional[Fp8GradHandoff] = None) -> torch.Tensor:
+           grad_fp8: Optional[Fp8Handoff] = None, out_fp8: Optional[Fp8Handoff] = None) -> torch.Tensor:
     """silu(gate) * up (silu(g) = g * sigmoid(g)), the gated MLP's activation: up and gate [*, n] of
     one shape, dtype and device, each with last-dim stride 1 and any other strides (typically the two
     column halves of one [*, 2n] GEMM output) -> a new contiguous [*, n] tensor. Computes in fp32 and
@@ -110,6 +113,12 @@ def swiglu(up: torch.Tensor, gate: torch.Tensor, amaxes: Optional[Tuple[torch.Te
     (kernels.fp8.cast_delayed, bit for bit) and hands it to the GEMM's backward through grad_fp8
     instead of returning gradients: on the Triton path in the pass that computes them, so the
     compute-dtype gradient is never written.
+
+    out_fp8 (fp8 delayed scaling, for the GEMM that multiplies h): the forward casts h to
+    out_fp8.dtype with the scale from out_fp8.history (cast_delayed of the h swiglu returns otherwise,
+    bit for bit) and hands it over through out_fp8. On the Triton path h is then written only in fp8,
+    and the tensor returned is a zero-stride stand-in of h's shape and dtype whose values are not h's:
+    it carries h's gradient back, and only a GEMM that takes out_fp8's cast may consume it.
     """
     if up.dim() == 0 or up.shape != gate.shape:
         raise ValueError(f"swiglu: up {tuple(up.shape)} and gate {tuple(gate.shape)} must be [*, n] of one shape")
@@ -126,12 +135,17 @@ def swiglu(up: torch.Tensor, gate: torch.Tensor, amaxes: Optional[Tuple[torch.Te
                          f"{[(tuple(a.shape), a.dtype, str(a.device)) for a in amaxes]}")
     if grad_fp8 is not None and (amaxes is not None or joined_column_blocks([up, gate]) is None):
         raise ValueError("swiglu: grad_fp8 needs up and gate as the two halves of one [*, 2n] tensor, and no amaxes")
+    if out_fp8 is not None and amaxes is not None:
+        raise ValueError("swiglu: out_fp8 (delayed scaling) and amaxes (tensorwise) exclude each other")
     if dispatch.pick(up) == "triton" and up.is_floating_point() and up.dtype != torch.float64:
-        return _TritonSwiGLU.apply(up, gate, amaxes, grad_fp8)
+        return _TritonSwiGLU.apply(up, gate, amaxes, grad_fp8, out_fp8)
     if grad_fp8 is not None:
-        return swiglu_reference(*_CastGradients.apply(up, gate, grad_fp8))
+        up, gate = _CastGradients.apply(up, gate, grad_fp8)
     if amaxes is None:
-        return swiglu_reference(up, gate)
+        h = swiglu_reference(up, gate)
+        if out_fp8 is not None:
+            out_fp8.cast = cast_delayed(h.detach().reshape(-1, h.shape[-1]), out_fp8.dtype, out_fp8.history, col=True)
+        return h
     h_amax, grad_amax = amaxes
     h = swiglu_reference(*_AmaxOfGradients.apply(up, gate, grad_amax))
     h_amax.copy_(amax_of(h.detach(), None))

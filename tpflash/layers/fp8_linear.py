@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ..kernels import column_sum
 from ..kernels.column_sum import concat_rows
-from ..kernels.fp8 import (E4M3, E5M2, Fp8Cast, Fp8GradHandoff, Fp8Weight, cast, cast_delayed, cast_stacked,
+from ..kernels.fp8 import (E4M3, E5M2, Fp8Cast, Fp8Handoff, Fp8Weight, cast, cast_delayed, cast_stacked,
                            check_fp8_device, column_major, scaled_mm, tensor_amax)
 from ..parallel import comm
 from .fp8_history import GemmHistory
@@ -79,13 +79,15 @@ class Fp8Amaxes(NamedTuple):
     a 0-d fp32 tensor that holds the amax of the outputs' gradient [M, sum out_i] by the time the
     backward runs (the consumer's backward writes it: tpflash.kernels.swiglu); either may be None, and
     then the cast reads its tensor once more for it. delayed: `history`, the GEMM's amax histories
-    (tpflash.layers.fp8_history; required); `grad_fp8`, where the consumer's backward hands over the
-    outputs' gradient already cast (kernels.fp8.Fp8GradHandoff; only for a GEMM without biases, while
-    the history is delayed)."""
+    (tpflash.layers.fp8_history; required); while it is delayed, `input_fp8`, x already cast by its
+    producer (kernels.fp8.Fp8Handoff; x's values are then not read: it only carries x's gradient),
+    and `grad_fp8`, where the consumer's backward hands over the outputs' gradient already cast (a GEMM
+    without biases)."""
     input: Optional[torch.Tensor] = None
     grad: Optional[torch.Tensor] = None
     history: Optional[GemmHistory] = None
-    grad_fp8: Optional[Fp8GradHandoff] = None
+    input_fp8: Optional[Fp8Handoff] = None
+    grad_fp8: Optional[Fp8Handoff] = None
 
 
 def _tensor_cast(t: torch.Tensor, fmt: torch.dtype, history: Optional[torch.Tensor], delayed: bool,
@@ -165,7 +167,9 @@ class _Fp8Linear(torch.autograd.Function):
             x.shape[:sp.seq_dim] + (x.shape[sp.seq_dim] * sp.group.size(),) + x.shape[sp.seq_dim + 1:]
         tensorwise = recipe in TENSOR_SCALED
         want_dx, want_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[_PARAMS:_PARAMS + n])
-        if tensorwise and want_dw and sp is None:  # both layouts from one read: the column-major one for dW
+        if delayed and amaxes.input_fp8 is not None and sp is None:  # cast by x's producer, both layouts
+            x8, x8_saved, sx = amaxes.input_fp8.take()
+        elif tensorwise and want_dw and sp is None:  # both layouts from one read: the column-major one for dW
             x8, x8_saved, sx = _tensor_cast(x.reshape(-1, x.shape[-1]), E4M3, hx, delayed, amaxes.input, col=True)
         else:
             x8, sx = _cast_input(x, recipe, sp, amaxes.input, hx, delayed)  # [M, K]
@@ -257,9 +261,12 @@ def fp8_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequen
     if sequence_parallel_group is not None and sequence_parallel_group.size() > 1:
         sp = _Gather(sequence_parallel_group, seq_dim % x.dim())
     if recipe == "delayed":  # the casts take their amaxes from the histories
-        amaxes = Fp8Amaxes(history=amaxes.history, grad_fp8=amaxes.grad_fp8)
+        amaxes = Fp8Amaxes(history=amaxes.history, input_fp8=amaxes.input_fp8, grad_fp8=amaxes.grad_fp8)
+        if amaxes.input_fp8 is not None and (x.dtype != out_dtype or sequence_parallel_group is not None):
+            raise ValueError(f"fp8_linears: an input cast by its producer (input_fp8) must come in the compute dtype "
+                             f"({out_dtype}, not {x.dtype}) and not be gathered over a sequence-parallel group")
     elif recipe == "tensorwise" and amaxes is not None:
-        amaxes = amaxes._replace(history=None, grad_fp8=None)
+        amaxes = amaxes._replace(history=None, input_fp8=None, grad_fp8=None)
     else:
         amaxes = Fp8Amaxes()
     if x.dtype != out_dtype:

@@ -34,6 +34,7 @@ from ..parallel import comm, overlap as _overlap
 from ..parallel.sharding import ShardSpec, take_shards
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 from .autocast_linear import add_bias, linear, linears
+from ..kernels.fp8 import Fp8Handoff
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe, fp8_linears
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -231,12 +232,16 @@ class RowParallelLinear(nn.Module):
         take_shards(layer, {"weight": linear.weight, "bias": linear.bias})
         return layer
 
-    def forward(self, x: torch.Tensor, fp8_input_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fp8_input_amax: Optional[torch.Tensor] = None,
+                fp8_input: Optional[Fp8Handoff] = None) -> torch.Tensor:
         """x [*, in/tp] (input_is_parallel) or [*, in] -> [*, out] (module docstring). fp8_input_amax:
         x's amax (0-d fp32) from its producer, for tensorwise fp8; used where x reaches the GEMM as
-        given (not split or padded here)."""
+        given (not split or padded here). fp8_input (delayed fp8, input_is_parallel, no padding): x
+        already cast by its producer (kernels.fp8.Fp8Handoff), whose values are then not read."""
+        if fp8_input is not None and (not self.input_is_parallel or self.local_padding):
+            raise ValueError("RowParallelLinear: fp8_input needs input_is_parallel=True and no padding features")
         amaxes = Fp8Amaxes(fp8_input_amax if self.input_is_parallel and not self.local_padding else None,
-                           history=self.fp8_history)
+                           history=self.fp8_history, input_fp8=fp8_input)
         if not self.input_is_parallel:
             if self.padded_in_features != self.in_features:  # [*, in] -> [*, padded]: zero padding features
                 x = F.pad(x, (0, self.padded_in_features - self.in_features))

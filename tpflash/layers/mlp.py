@@ -12,7 +12,7 @@ from ..parallel.state import group_size, resolve_tp_group, sublayer_group
 from ..kernels.dispatch import requested_backend, use_backend
 from ..kernels.fused_dense import fused_dense_gelu_dense
 from ..kernels.reference import ACTIVATION_FUNCTIONS
-from ..kernels.fp8 import Fp8GradHandoff
+from ..kernels.fp8 import E4M3, E5M2, Fp8Handoff
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe
 from .recompute import recomputed_when_saved
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears
@@ -103,6 +103,17 @@ class ParallelMLP(nn.Module):
         projections = (self.up_proj, self.gate_proj)
         return groups + [tuple(p.weight for p in projections), tuple(p.bias for p in projections)]
 
+    def _fp8_handoffs(self) -> Tuple[Optional[Fp8Handoff], Optional[Fp8Handoff]]:
+        """Delayed fp8, once its histories scale the casts, while training: (the up/gate GEMM's gradient,
+        h), each written in fp8 by swiglu for the GEMM that multiplies it (kernels.fp8.Fp8Handoff),
+        where the GEMMs take them (no up/gate biases; no padding features in down's input)."""
+        gemms = (self.fp8_history, self.down_proj.fp8_history)
+        if self.fp8 != "delayed" or not torch.is_grad_enabled() or any(h is None or not h.delayed for h in gemms):
+            return None, None
+        grad = Fp8Handoff(self.fp8_history.dy, E5M2) if self.up_proj.bias is None else None
+        h = Fp8Handoff(self.down_proj.fp8_history.x, E4M3) if not self.down_proj.local_padding else None
+        return grad, h
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_dense:
             x_full = column_parallel_input(x, self.process_group, self.sequence_parallel)  # [seq, b, hidden]
@@ -110,6 +121,7 @@ class ParallelMLP(nn.Module):
                                               self.down_proj.weight, None)  # [seq, b, hidden], summed over tp below
             return self.down_proj.reduce_partial_sum(rank_sum)
         amaxes = None  # tensorwise fp8 with a gate: those of h and of [d_up | d_gate], below
+        h_fp8 = None  # delayed fp8 with a gate: h in fp8 from swiglu, for the down GEMM
         if self.gate_proj is None:
             up_bias = self.up_proj.bias
             y = column_parallel_linears(x, [self.up_proj.weight], [None], self.process_group,
@@ -125,11 +137,7 @@ class ParallelMLP(nn.Module):
             # the casts of the GEMMs on either side (each a 0-d fp32, filled by swiglu's forward / backward)
             amaxes = [torch.empty((), device=x.device, dtype=torch.float32) for _ in range(2)] \
                 if self.fp8 == "tensorwise" and torch.is_grad_enabled() else None
-            # delayed fp8: swiglu's backward writes [d_up | d_gate] in e5m2 for the GEMM's backward (no biases)
-            grad_fp8 = None
-            if self.fp8 == "delayed" and torch.is_grad_enabled() and self.fp8_history is not None \
-                    and self.fp8_history.delayed and self.up_proj.bias is None:
-                grad_fp8 = Fp8GradHandoff(self.fp8_history.dy)
+            grad_fp8, h_fp8 = self._fp8_handoffs()
             up, gate = column_parallel_linears(x, [p.weight for p in projections], [p.bias for p in projections],
                                                self.process_group, self.sequence_parallel, self.up_proj.overlap,
                                                fp8=self.fp8,
@@ -138,10 +146,11 @@ class ParallelMLP(nn.Module):
                                                                     grad_fp8=grad_fp8))  # [seq, b, ffn/tp] each
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
             activation = partial(kernels.swiglu, up, gate)
-            h = kernels.swiglu(up, gate, amaxes, grad_fp8)
+            h = kernels.swiglu(up, gate, amaxes, grad_fp8, h_fp8)  # with h_fp8: a stand-in carrying h's gradient
         remake = _on_the_same_kernels(activation) if self.recompute_activation and torch.is_grad_enabled() else None
         with recomputed_when_saved(h, remake):  # h not kept for the backward when remade there
-            return self.down_proj(h, fp8_input_amax=amaxes[0] if amaxes else None)  # [seq(/tp), b, hidden]
+            return self.down_proj(h, fp8_input_amax=amaxes[0] if amaxes else None,
+                                  fp8_input=h_fp8)  # [seq(/tp), b, hidden]
 
     def extra_repr(self) -> str:
         return (f"mlp={self.mlp}, tp={group_size(self.process_group)}, sequence_parallel={self.sequence_parallel}"
