@@ -30,11 +30,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.fp8 import Fp8Handoff
 from ..parallel import comm, overlap as _overlap
 from ..parallel.sharding import ShardSpec, take_shards
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 from .autocast_linear import add_bias, linear, linears
-from ..kernels.fp8 import Fp8Handoff
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe, fp8_linears
 
 InitMethod = Callable[[torch.Tensor], object]

@@ -11,8 +11,8 @@ from .. import kernels
 from ..parallel.state import group_size, resolve_tp_group, sublayer_group
 from ..kernels.dispatch import requested_backend, use_backend
 from ..kernels.fused_dense import fused_dense_gelu_dense
-from ..kernels.reference import ACTIVATION_FUNCTIONS
 from ..kernels.fp8 import E4M3, E5M2, Fp8Handoff
+from ..kernels.reference import ACTIVATION_FUNCTIONS
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe
 from .recompute import recomputed_when_saved
 from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears

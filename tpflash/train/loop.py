@@ -101,8 +101,8 @@ class Trainer:
         if self.zero is not None and self.plan.grad_accum == 1 and self.ps.dp_cp_size > 1:
             sync = self.zero.sync_in_graphs(self.model.blocks)
         with build.autocast(self.device, self.amp_dtype):
-            if self.zero is None and hasattr(self.model, "prime_fp8_scaling"):  # fp8 delayed: the first
-                # batch's amaxes recorded, so that the first step replays the graphs too (a no-op otherwise)
+            if self.zero is None and getattr(self.model_config, "fp8", "off") == "delayed":  # the first batch's
+                # amaxes recorded, so that the first step replays the graphs too (GPT.prime_fp8_scaling)
                 indices = self.sampler.rank_slice(self.plan.batch_size, self.ps.dp_rank, self.ps.dp_size)
                 x, y, kwargs = self._micro_batch(self.train_data, indices[:self.plan.micro])
                 self.model.prime_fp8_scaling(x, y, **kwargs)
