@@ -73,8 +73,7 @@ class AmaxHistory:
         """Start a training forward: this step's amaxes (non-finite ones as 0; the maximum over tp)
         become the newest previous entry, the oldest is dropped, and entry 0 starts again from 0."""
         self.forwards += 1
-        current = self.table[:, 0]
-        current = torch.where(torch.isfinite(current), current, torch.zeros_like(current))
+        current = torch.nan_to_num(self.table[:, 0], nan=0.0, posinf=0.0, neginf=0.0)
         if self.process_group is not None and dist.get_world_size(self.process_group) > 1:
             dist.all_reduce(current, op=dist.ReduceOp.MAX, group=self.process_group)
         moved = self.table.roll(1, dims=1)
