@@ -95,6 +95,36 @@ def test_advance_moves_this_steps_amaxes_into_the_history_and_drops_non_finite_o
     assert gemm.x.tolist() == [0.0] + [1.0] * (HISTORY_LENGTH - 1)
 
 
+def test_saturations_count_the_delayed_steps_whose_amax_outgrew_the_history_by_operand():
+    layer = nn.Module()
+    history = AmaxHistory([layer], "cpu")
+    gemm = layer.fp8_history
+    history.advance()
+    gemm.x[0], gemm.w[0], gemm.dy[0] = 4.0, 1.0, 2.0  # the first forward scales by its own amaxes: no count
+    history.advance()
+    gemm.x[0], gemm.w[0], gemm.dy[0] = 5.0, 1.0, 2.0  # x grew past 4 (clamped); w and dy did not
+    history.advance()
+    gemm.x[0], gemm.dy[0] = 5.0, 3.0
+    history.advance()
+    assert history.saturations() == {"x": 1, "w": 0, "dy": 1}
+    assert history.saturations() == {"x": 0, "w": 0, "dy": 0}  # counted again from the read on
+
+
+def test_headroom_scales_the_recorded_amaxes_so_that_growth_within_it_does_not_saturate(monkeypatch):
+    from tpflash.layers import fp8_history
+    monkeypatch.setattr(fp8_history, "HEADROOM", 2.0)
+    layer = nn.Module()
+    history = AmaxHistory([layer], "cpu")
+    gemm = layer.fp8_history
+    history.advance()
+    gemm.x[0] = 3.0
+    history.advance()
+    assert gemm.x[1] == 6.0 and past_amax(gemm.x, E4M3) == 6.0
+    gemm.x[0] = 5.0  # grew, but within the headroom
+    history.advance()
+    assert history.saturations()["x"] == 0
+
+
 def test_the_first_training_forward_casts_with_current_scaling_and_later_ones_with_the_history():
     layer = nn.Module()
     history = AmaxHistory([layer], "cpu")

@@ -1,5 +1,7 @@
 """The trainer with fp8 GEMMs (--model.fp8): it trains at tp=2, and its checkpoint carries no fp8 state,
 so a run resumes it with fp8 off (at another tp) and continues from the saved weights."""
+import json
+
 import pytest
 
 from tests.train.test_resume_config import copy_of, corpus, gpt_config, steps_body  # noqa: F401 (fixture)
@@ -48,3 +50,28 @@ def test_fp8_off_is_accepted_as_written(tmp_path, where):
     else:
         cfg = parse_args(["--model.preset=llama-1b", "--model.fp8=off"])
     assert GPTConfig.preset("llama-1b", fp8=cfg.model["fp8"]).fp8 == "off"
+
+
+def run_body(cfg):
+    from tpflash.train.loop import Trainer
+    Trainer(cfg).run()
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_a_delayed_run_logs_its_saturated_casts_by_operand_and_others_do_not(ranks, corpus, tmp_path,  # noqa: F811
+                                                                             recipe):
+    cfg = gpt_config(corpus, model={"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "fp8": recipe})
+    cfg.log.dir = str(tmp_path)
+    ranks(1).run(run_body, cfg)
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    keys = {"fp8_saturated_x", "fp8_saturated_w", "fp8_saturated_dy"}
+    if recipe != "delayed":
+        assert not any(keys & r.keys() for r in records)
+        return
+    assert len(records) == cfg.train.steps and all(keys <= r.keys() for r in records)
+    counts = [r[k] for r in records for k in keys]
+    # one log per step, four GEMMs (q/k/v, o, up/gate, down): at most four clamped casts per operand
+    assert all(isinstance(n, int) and 0 <= n <= 4 for n in counts)
+    assert sum(counts) > 0, "at lr 1e-2 the tiny model's tensors grow past their history"
+    assert all(r[k] == 0 for r in records[:1] for k in keys), "the first step scales by its own amaxes"

@@ -18,20 +18,24 @@ forward, once per micro-batch):
   forwards' amaxes, so a tensor whose amax grew since overflows the fp8 range and is clamped to it
   (saturated), as in Transformer Engine's delayed scaling;
 - a non-finite amax (a NaN or inf in a tensor) is recorded as 0 when the step moves on: that step's own
-  output shows it, and the scales of the following steps come from the other entries.
+  output shows it, and the scales of the following steps come from the other entries;
+- a delayed step whose amax exceeded its scale's is counted (`AmaxHistory.saturations`: the trainer
+  logs the counts as fp8_saturated_x/w/dy), so that a run shows how often its casts clamp.
 CUDA graphs capture the delayed casts (`capturing`), and replay only once the table is primed; the
 capture's passes over a sample input leave the table as they found it.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 HISTORY_LENGTH = 16  # this step's entry and 15 previous ones (torchao's delayed scaling kept 16)
+HEADROOM = 1.0  # entries 1.. hold the recorded amaxes times this: a scale leaves that much room to grow
+KINDS = ("x", "w", "dy")  # a GEMM's three rows, in table order
 
 
 class GemmHistory(NamedTuple):
@@ -60,6 +64,7 @@ class AmaxHistory:
         self.table = torch.zeros(3 * len(layers), HISTORY_LENGTH, device=device, dtype=torch.float32)
         self.process_group = process_group
         self.forwards = 0  # training forwards begun (advance calls)
+        self.saturated = torch.zeros(3 * len(layers), device=device, dtype=torch.int32)  # per row, since read
         self.capturing = False
         for i, layer in enumerate(layers):
             layer.fp8_history = GemmHistory(*self.table[3 * i:3 * i + 3], self)
@@ -70,16 +75,26 @@ class AmaxHistory:
         return self.forwards > 1
 
     def advance(self) -> None:
-        """Start a training forward: this step's amaxes (non-finite ones as 0; the maximum over tp)
-        become the newest previous entry, the oldest is dropped, and entry 0 starts again from 0."""
-        self.forwards += 1
+        """Start a training forward: this step's amaxes (non-finite ones as 0; the maximum over tp),
+        times HEADROOM, become the newest previous entry, the oldest is dropped, and entry 0 starts
+        again from 0. A row whose amax exceeded the one its delayed casts were scaled by is counted."""
         current = torch.nan_to_num(self.table[:, 0], nan=0.0, posinf=0.0, neginf=0.0)
         if self.process_group is not None and dist.get_world_size(self.process_group) > 1:
             dist.all_reduce(current, op=dist.ReduceOp.MAX, group=self.process_group)
+        if self.primed:  # the forward that ends here cast with entries 1..: did its tensors outgrow them?
+            self.saturated += current > self.table[:, 1:].amax(dim=1)
+        self.forwards += 1
         moved = self.table.roll(1, dims=1)
-        moved[:, 1] = current
+        moved[:, 1] = current * HEADROOM
         moved[:, 0] = 0
         self.table.copy_(moved)
+
+    def saturations(self) -> Dict[str, int]:
+        """How many delayed casts (tensor and step) had values clamped to the fp8 range since the last
+        call, by operand: {"x": .., "w": .., "dy": ..}; then starts counting again (one host sync)."""
+        counts = self.saturated.view(-1, 3).sum(dim=0).tolist()
+        self.saturated.zero_()
+        return dict(zip(KINDS, counts))
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:

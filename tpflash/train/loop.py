@@ -110,6 +110,12 @@ class Trainer:
         if sync is not None:
             self.zero.use_graph_sync(sync)
 
+    def _fp8_saturations(self) -> Dict[str, int]:
+        """Under fp8="delayed": this rank's casts clamped since the last log, by operand
+        (fp8_saturated_x/w/dy; tpflash.layers.fp8_history); else nothing."""
+        history = getattr(self.model, "fp8_history", None)
+        return {} if history is None else {f"fp8_saturated_{k}": n for k, n in history.saturations().items()}
+
     def _parameters_ready(self) -> None:
         """Before reading the parameters outside a training step (evaluation, samples, checkpoints): under
         zero1 in graphs the blocks' weights may still be gathering on a side stream."""
@@ -410,7 +416,7 @@ class Trainer:
                     self.check_finite()
                     last = {"loss": self._dp_mean(torch.stack(losses).mean()), "lr": result["lr"],
                             "grad_norm": result["grad_norm"].item(), "epoch": self.sampler.epoch,
-                            **meter.read(), **memory_gb(self.device)}
+                            **meter.read(), **memory_gb(self.device), **self._fp8_saturations()}
                     losses = []
                     out.log(self.step, last)
                     self._log_io(out)  # an async save that has finished writing since
