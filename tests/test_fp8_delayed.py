@@ -12,7 +12,7 @@ from tests.test_fp8_linear import MAX, assert_rel
 from tpflash.kernels import dispatch
 from tpflash.kernels import swiglu
 from tpflash.kernels.fp8 import E4M3, E5M2, Fp8Handoff, cast_delayed, cast_stacked, past_amax, quantize
-from tpflash.layers.fp8_history import HISTORY_LENGTH, AmaxHistory
+from tpflash.layers.fp8_history import HEADROOM, HISTORY_LENGTH, AmaxHistory
 from tpflash.layers.fp8_linear import Fp8Amaxes, fp8_linears
 from tpflash.models import GPT, GPTConfig
 
@@ -87,12 +87,12 @@ def test_advance_moves_this_steps_amaxes_into_the_history_and_drops_non_finite_o
     history.advance()
     gemm.x[0], gemm.w[0], gemm.dy[0] = 2.0, float("nan"), float("inf")
     history.advance()
-    assert gemm.x[:3].tolist() == [0.0, 2.0, 0.0] and gemm.w[:2].tolist() == [0.0, 0.0]
+    assert gemm.x[:3].tolist() == [0.0, 2.0 * HEADROOM, 0.0] and gemm.w[:2].tolist() == [0.0, 0.0]
     assert gemm.dy[:2].tolist() == [0.0, 0.0]
     for step in range(HISTORY_LENGTH):  # the oldest entry drops out after HISTORY_LENGTH - 1 more steps
         gemm.x[0] = 1.0
         history.advance()
-    assert gemm.x.tolist() == [0.0] + [1.0] * (HISTORY_LENGTH - 1)
+    assert gemm.x.tolist() == [0.0] + [HEADROOM] * (HISTORY_LENGTH - 1)
 
 
 def test_saturations_count_the_delayed_steps_whose_amax_outgrew_the_history_by_operand():
@@ -102,17 +102,16 @@ def test_saturations_count_the_delayed_steps_whose_amax_outgrew_the_history_by_o
     history.advance()
     gemm.x[0], gemm.w[0], gemm.dy[0] = 4.0, 1.0, 2.0  # the first forward scales by its own amaxes: no count
     history.advance()
-    gemm.x[0], gemm.w[0], gemm.dy[0] = 5.0, 1.0, 2.0  # x grew past 4 (clamped); w and dy did not
+    gemm.x[0], gemm.w[0], gemm.dy[0] = 9.0 * HEADROOM, 1.0, 2.0  # x outgrew 4 x HEADROOM (clamped), w and dy not
     history.advance()
-    gemm.x[0], gemm.dy[0] = 5.0, 3.0
+    gemm.x[0], gemm.dy[0] = 5.0, 3.0 * HEADROOM
     history.advance()
     assert history.saturations() == {"x": 1, "w": 0, "dy": 1}
     assert history.saturations() == {"x": 0, "w": 0, "dy": 0}  # counted again from the read on
 
 
-def test_headroom_scales_the_recorded_amaxes_so_that_growth_within_it_does_not_saturate(monkeypatch):
-    from tpflash.layers import fp8_history
-    monkeypatch.setattr(fp8_history, "HEADROOM", 2.0)
+def test_headroom_scales_the_recorded_amaxes_so_that_growth_within_it_does_not_saturate():
+    assert HEADROOM == 2.0
     layer = nn.Module()
     history = AmaxHistory([layer], "cpu")
     gemm = layer.fp8_history
@@ -140,7 +139,7 @@ def test_the_first_training_forward_casts_with_current_scaling_and_later_ones_wi
     y_t, = fp8_linears(xt, [wt], [None], "tensorwise")
     y_t.backward(dy)
     assert torch.equal(y, y_t) and torch.equal(xl.grad, xt.grad) and torch.equal(wl.grad, wt.grad)
-    # the next one: scaled by the amaxes recorded, here a third of the new operands' (they saturate)
+    # the next one: scaled by the amaxes recorded times HEADROOM, here 2/3 of the new operands' (they saturate)
     history.advance()
     assert layer.fp8_history.delayed
     x2, w2, dy2 = 3 * x, 3 * w, 3 * dy
@@ -151,8 +150,8 @@ def test_the_first_training_forward_casts_with_current_scaling_and_later_ones_wi
     def fake_quant(t, fmt, amax):
         scale = MAX[fmt] / amax
         return ((t.float() * scale).clamp(-MAX[fmt], MAX[fmt]).to(fmt).float() / scale).double()
-    xq, wq, dyq = fake_quant(x2, E4M3, x.abs().max()), fake_quant(w2, E4M3, w.abs().max()), \
-        fake_quant(dy2, E5M2, dy.abs().max())
+    xq, wq, dyq = (fake_quant(t2, fmt, t.abs().max() * HEADROOM) for t2, fmt, t in ((x2, E4M3, x), (w2, E4M3, w),
+                                                                                   (dy2, E5M2, dy)))
     assert_rel(y, xq @ wq.t())
     assert_rel(xl.grad, dyq @ wq)
     assert_rel(wl.grad, dyq.t() @ xq)

@@ -52,9 +52,14 @@ def test_fp8_off_is_accepted_as_written(tmp_path, where):
     assert GPTConfig.preset("llama-1b", fp8=cfg.model["fp8"]).fp8 == "off"
 
 
-def run_body(cfg):
+def run_body(cfg, headroom):
+    from tpflash.layers import fp8_history
     from tpflash.train.loop import Trainer
-    Trainer(cfg).run()
+    kept, fp8_history.HEADROOM = fp8_history.HEADROOM, headroom
+    try:
+        Trainer(cfg).run()
+    finally:
+        fp8_history.HEADROOM = kept
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
@@ -62,7 +67,7 @@ def test_a_delayed_run_logs_its_saturated_casts_by_operand_and_others_do_not(ran
                                                                              recipe):
     cfg = gpt_config(corpus, model={"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "fp8": recipe})
     cfg.log.dir = str(tmp_path)
-    ranks(1).run(run_body, cfg)
+    ranks(1).run(run_body, cfg, 1.0)  # no headroom: the tiny model's tensors, growing at lr 1e-2, clamp
     with open(tmp_path / "metrics.jsonl") as f:
         records = [r for r in map(json.loads, f) if r["kind"] == "train"]
     keys = {"fp8_saturated_x", "fp8_saturated_w", "fp8_saturated_dy"}
@@ -73,5 +78,5 @@ def test_a_delayed_run_logs_its_saturated_casts_by_operand_and_others_do_not(ran
     counts = [r[k] for r in records for k in keys]
     # one log per step, four GEMMs (q/k/v, o, up/gate, down): at most four clamped casts per operand
     assert all(isinstance(n, int) and 0 <= n <= 4 for n in counts)
-    assert sum(counts) > 0, "at lr 1e-2 the tiny model's tensors grow past their history"
+    assert sum(counts) > 0
     assert all(r[k] == 0 for r in records[:1] for k in keys), "the first step scales by its own amaxes"
