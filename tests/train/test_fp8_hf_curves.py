@@ -9,7 +9,10 @@ On a GPU (marked gpu): 30 steps of a 4-layer model (hidden 256, 8 heads over 2 k
 fp32 master weights: small enough that the six runs and the reference take seconds, the rest being
 Triton compiling its kernels on a cold cache. The CPU twin runs the same body at a tiny size in fp32
 with the emulated fp8 GEMMs (and the graphs' eager stand-in) for 8 steps, so CI runs it; a third
-test breaks the rowwise recipe three ways and checks that the curve leaves its band.
+test breaks the rowwise recipe three ways and checks that the curve leaves its band. Both run at tp=2
+with sequence parallelism too (two GPUs over NCCL; two CPU ranks over gloo), in the same bands: each
+rank's fp8 scales are those of the shards it multiplies, which moves a GEMM's result no more than the
+casts themselves do.
 
 Tolerances, relative to the transformers loss at the same step (first step, every step, mean):
 - bf16 tpflash (1e-3, 0.5%, 0.2%). Both compute the same function in bf16 over fp32 weights and differ
@@ -159,7 +162,10 @@ def relative(curve: List[float], reference: List[float]) -> List[float]:
 def check_follows_the_transformers_curve(s: Setup, recipe: str, graphed: bool,
                                          reference: Optional[List[float]] = None) -> None:
     reference = transformers_curve(s) if reference is None else reference
-    curve = tpflash_curve(s, recipe, graphed)
+    assert_follows(s, recipe, tpflash_curve(s, recipe, graphed), reference)
+
+
+def assert_follows(s: Setup, recipe: str, curve: List[float], reference: List[float]) -> None:
     first, every, mean = s.tol_bf16 if recipe == "off" else s.tol_fp8
     shown = f"\ntransformers {[round(v, 4) for v in reference]}\ntpflash      {[round(v, 4) for v in curve]}"
     assert len(curve) == len(reference) == s.steps
@@ -184,6 +190,34 @@ def test_fp8_recipes_follow_the_transformers_bf16_curve_for_30_steps_on_gpu(reci
 def test_fp8_recipes_follow_the_transformers_fp32_curve_for_8_steps_on_cpu(recipe, graphed):
     """The GPU test's body at a tiny size in fp32: fp8 emulated, graphs replayed by their eager stand-in."""
     check_follows_the_transformers_curve(CPU, recipe, graphed)
+
+
+def tp2_curves_body(s: Setup, recipe: str, graphed: bool):
+    """(this rank's tpflash curve at tp=2 with sequence parallelism, the transformers curve)."""
+    from tests.distributed.checks import init_tp
+    from tpflash.models import from_hf
+    ps = init_tp(2)
+    model = from_hf(llama(s), process_group=ps.tp_group, sequence_parallel=True, fp8=recipe).to(s.device)
+    return train(s, model, lambda m, idx, targets: m(idx, targets), graphed), transformers_curve(s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe, graphed", RUNS, ids=RUN_IDS)
+def test_fp8_recipes_at_tp2_follow_the_transformers_bf16_curve_for_30_steps_on_gpus(ranks, recipe, graphed):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if recipe != "off" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"fp8 GEMMs need compute capability 8.9+ ({torch.cuda.get_device_name()})")
+    for curve, reference in ranks(2).run(tp2_curves_body, GPU, recipe, graphed):
+        assert_follows(GPU, recipe, curve, reference)
+
+
+@pytest.mark.cpu_ranks
+@pytest.mark.parametrize("recipe, graphed", RUNS, ids=RUN_IDS)
+def test_fp8_recipes_at_tp2_follow_the_transformers_fp32_curve_for_8_steps_on_cpu(ranks, recipe, graphed):
+    """The tp=2 GPU test's body at the CPU twin's size, over gloo."""
+    for curve, reference in ranks(2).run(tp2_curves_body, CPU, recipe, graphed):
+        assert_follows(CPU, recipe, curve, reference)
 
 
 def _without_weight_gradients(backward):
