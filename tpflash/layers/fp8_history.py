@@ -4,8 +4,8 @@ tensor had in the steps before, so it reads the tensor once, with no amax pass i
 Every fp8 GEMM of a delayed-scaling model has three histories, for its input x, its (stacked) weight
 W and its output gradient dY, each HISTORY_LENGTH fp32 entries: entry 0 collects this step's amax
 (each cast max-es the amax of what it casts into it, in the same pass: kernels.fp8.cast_delayed),
-entries 1.. hold the previous steps', and their maximum scales this step's casts (an all-zero history
-scales by 1). All of a model's histories are the rows of one table, [3 * GEMMs, HISTORY_LENGTH], so
+entries 1.. hold the previous steps' times HEADROOM, and their maximum scales this step's casts (an
+all-zero history scales by 1). All of a model's histories are the rows of one table, [3 * GEMMs, HISTORY_LENGTH], so
 that a step moves them on with a few small kernels, and one all-reduce over tp (the maximum: ranks
 that gather each other's fp8 activations under sequence parallelism must scale them alike).
 
@@ -15,8 +15,8 @@ forward, once per micro-batch):
   tensor's own amax, as the tensorwise recipe), recording the amaxes: a new model, or one resumed from a
   checkpoint (which holds no fp8 state), starts from true amaxes rather than from a scale of 1;
 - from the second on, every cast is delayed: its scale comes from the previous HISTORY_LENGTH - 1
-  forwards' amaxes, so a tensor whose amax grew since overflows the fp8 range and is clamped to it
-  (saturated), as in Transformer Engine's delayed scaling;
+  forwards' amaxes times HEADROOM, so a tensor whose amax grew past that overflows the fp8 range and
+  is clamped to it (saturated), as in Transformer Engine's delayed scaling (HEADROOM 2 is its margin 1);
 - a non-finite amax (a NaN or inf in a tensor) is recorded as 0 when the step moves on: that step's own
   output shows it, and the scales of the following steps come from the other entries;
 - a delayed step whose amax exceeded its scale's is counted (`AmaxHistory.saturations`: the trainer
