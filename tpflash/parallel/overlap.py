@@ -392,8 +392,8 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     [s, b, out_i/tp] per weight. Several weights share one gathered input (q/k/v, up/gate).
     save_gathered_input=True keeps the gathered input for the backward (tp times the memory of
     x_local; inside CUDA graphs its copy out of the peer buffers runs as SM kernels beside the
-    GEMMs); False or None (default) keeps only x_local and gathers it again in the backward,
-    beside the input-gradient GEMMs. Process group: `group` (None: tp=1).
+    GEMMs); False keeps only x_local and gathers it again in the backward, beside the input-gradient
+    GEMMs; None (default): `keeps_gathered_input`. Process group: `group` (None: tp=1).
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
@@ -403,8 +403,17 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     if any(b is not None for b in biases):  # one stacked bias: zeros (no gradient) where a weight has none
         biases = [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
                   for w, b in zip(weights, biases)]
-    return list(_ColumnLinearOverPeers.apply(x_local, group, bool(save_gathered_input), len(weights),
-                                             *weights, *biases))
+    keep = keeps_gathered_input(save_gathered_input, group_size(group))
+    return list(_ColumnLinearOverPeers.apply(x_local, group, keep, len(weights), *weights, *biases))
+
+
+def keeps_gathered_input(save_gathered_input: Optional[bool], tp: int) -> bool:
+    """Whether an overlapped column GEMM keeps its all-gathered input for the backward: the layer's
+    save_gathered_input where set, else above two ranks. Gathering it again costs no memory but
+    moves (tp-1)/tp of the activation through the copy engines once more in each backward; at four
+    ranks the transfers, not the GEMMs, bound the attention's projections, and keeping the input
+    made the llama-1b step 6.5% shorter (docs/performance.md, "TP efficiency")."""
+    return tp > 2 if save_gathered_input is None else bool(save_gathered_input)
 
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
