@@ -210,8 +210,7 @@ def _all_gather(x: torch.Tensor, group, keep: bool = True, whole: bool = False):
 
 def _reduce_scatter(group, shape, like: torch.Tensor):
     if copy_engines_reach(like, group):
-        return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, _side_stream(like.device),
-                                                  concurrent=True)
+        return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, _side_stream(like.device))
     return _GroupReduceScatter(group, shape, like.dtype, like.device)
 
 
@@ -278,9 +277,9 @@ def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Te
 def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group):
     """(pending reduce-scatter of a @ w, this rank's rows of a): every peer's rows multiplied and sent,
     the first peer's in SEND_CHUNKS GEMMs, so that the first transfer starts early, the others' in
-    one GEMM each (fewer, larger GEMMs; their transfers run on copy engines of their own beside the
-    first: PeerReduceScatter's `concurrent`). Chunking matters where the GEMM is short next to its
-    transfer (a small inner dimension, e.g. the attention's output projection)."""
+    one GEMM each (fewer, larger GEMMs; the transfers queue behind each other on the side stream
+    anyway, the copy engines' bandwidth being shared by all peers). Chunking matters where the GEMM
+    is short next to its transfer (a small inner dimension, e.g. the attention's output projection)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     m = a.shape[0] // world
     pending = _reduce_scatter(group, (m, w.shape[1]), a)

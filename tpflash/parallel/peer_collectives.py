@@ -15,8 +15,9 @@ GiB/s, a read at 284. `PeerAllGather` and `PeerReduceScatter` are the same two c
 their parts exposed, so that GEMMs can consume or produce them one rank's part at a time while
 the copy engines move the others on a side stream (tpflash.parallel.overlap). Above two ranks a
 gather can also raise a flag per push in the receiver's signal pad (`by_piece`), so that a GEMM
-waits for its peer's part alone, and a reduce-scatter can send to different peers on streams of
-their own (`concurrent`), so that several copy engines run at once.
+waits for its peer's part alone. A GPU's copy engines move about 340-370 GB/s out of it in all,
+whether its pushes go to one peer or to several at once (docs/overlap.md), so each collective's
+pushes queue on one stream.
 
 Synchronisation (device-side barriers over a two-buffer workspace per group, one barrier per
 call inside a `graph_epoch`): tpflash.parallel.peer_workspace. Calls on a group must be issued in
@@ -149,10 +150,6 @@ def _signal_stream(device: torch.device) -> torch.cuda.Stream:
     return _stream(device, "signals")
 
 
-def _spare_stream(device: torch.device, i: int) -> torch.cuda.Stream:
-    return _stream(device, f"spare {i}")
-
-
 class PeerAllGather:
     """An all-gather of x [n, ...] along dim 0 whose parts can be used as they arrive.
 
@@ -268,13 +265,11 @@ class PeerReduceScatter:
     [k, ...], into rank r's buffer (at this rank's slot) on `stream` (default: the current one),
     while the caller computes the next part; `finish(own)` adds every rank's part for this rank's
     rows to own [m, ...] (fp32 accumulation above two ranks) and returns the sum, `finish_matmul(a,
-    w)` the same for own = a @ w. Every peer gets all m rows, in one part or several. With
-    `concurrent`, the parts for different peers travel on streams of their own (the first peer's
-    on `stream`), so that copy engines move them at once.
+    w)` the same for own = a @ w. Every peer gets all m rows, in one part or several.
     """
 
     def __init__(self, group, shape, dtype: torch.dtype, device: torch.device,
-                 stream: Optional[torch.cuda.Stream] = None, concurrent: bool = False):
+                 stream: Optional[torch.cuda.Stream] = None):
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.shape, self.dtype = tuple(shape), dtype
         self.slot = _slot_bytes(self.shape, dtype)
@@ -282,25 +277,14 @@ class PeerReduceScatter:
         self.buffer, self.in_epoch = _take_turn(self.ws)
         self.stream = stream or torch.cuda.current_stream()
         self.sent: List[torch.Tensor] = []  # alive until the pushes are done
-        # concurrent: each peer's parts on a stream of their own (the side stream for the first peer), so
-        # that copy engines move the parts for different peers at once; every stream starts after the
-        # work queued on the side stream so far (the previous call's barrier: this call's turn)
-        self.spare = [_spare_stream(device, i) for i in range(self.world - 2)] if concurrent else []
-        for extra in self.spare:
-            extra.wait_stream(self.stream)
-        self.streams: Dict[int, torch.cuda.Stream] = {}  # peer -> the stream its parts travel on
 
     def _view(self, owner: int, slot: int) -> torch.Tensor:
         return self.ws.view(owner, (self.buffer * self.world + slot) * self.slot, self.shape, self.dtype)
 
     def send(self, r: int, part: torch.Tensor, row: int = 0) -> None:
         part = part.contiguous()
-        if r not in self.streams:  # the n-th peer sent to takes the n-th stream (the side stream first)
-            streams = [self.stream, *self.spare]
-            self.streams[r] = streams[min(len(self.streams), len(streams) - 1)]
-        stream = self.streams[r]
-        _side_wait(stream)
-        with torch.cuda.stream(stream):
+        _side_wait(self.stream)
+        with torch.cuda.stream(self.stream):
             self._view(r, self.rank)[row:row + part.shape[0]].copy_(part)
         self.sent.append(part)
 
@@ -325,8 +309,7 @@ class PeerReduceScatter:
         rows = sum(part.shape[0] for part in self.sent)
         if rows != (self.world - 1) * self.shape[0]:
             raise RuntimeError(f"PeerReduceScatter: {rows} rows sent, {(self.world - 1) * self.shape[0]} expected")
-        for stream in [self.stream, *self.spare]:
-            _side_wait_back(stream)
+        _side_wait_back(self.stream)
         self.ws.barrier()  # every rank's parts have arrived
         return [self._view(self.rank, r) for r in range(self.world) if r != self.rank]
 
