@@ -128,10 +128,11 @@ class ColumnParallelLinear(nn.Module):
     (zero padding features at the end of the last rank(s) when tp does not divide out_features), or
     [*, out_features] with gather_output. Process group: `process_group`, else the default
     state's tp group, else none (tp=1, a plain nn.Linear). overlap: True/False, or None (default)
-    for TPFLASH_OVERLAP's setting, or a CUDA graph capture's decision (module docstring). save_gathered_input (overlapped
-    path only): keep the all-gathered input for the backward (True), or gather it again there
-    (False); None (default): kept above two ranks (tpflash.parallel.overlap.keeps_gathered_input). fp8: "off", or "rowwise" /
-    "tensorwise" for fp8 GEMMs (tpflash.layers.fp8_linear; no overlap pipelining).
+    for TPFLASH_OVERLAP's setting, or a CUDA graph capture's decision (module docstring).
+    save_gathered_input (overlapped path only): keep the all-gathered input for the backward (True),
+    or gather it again there (False); None (default): kept above two ranks
+    (tpflash.parallel.overlap.keeps_gathered_input). fp8: "off", or "rowwise" / "tensorwise" for
+    fp8 GEMMs (tpflash.layers.fp8_linear; no overlap pipelining).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,

@@ -411,7 +411,7 @@ def keeps_gathered_input(save_gathered_input: Optional[bool], tp: int) -> bool:
     save_gathered_input where set, else above two ranks. Gathering it again costs no memory but
     moves (tp-1)/tp of the activation through the copy engines once more in each backward; at four
     ranks the transfers, not the GEMMs, bound the attention's projections, and keeping the input
-    made the llama-1b step 6.5% shorter (docs/performance.md, "TP efficiency")."""
+    made the llama-1b step 6% shorter (docs/performance.md, "TP efficiency")."""
     return tp > 2 if save_gathered_input is None else bool(save_gathered_input)
 
 
