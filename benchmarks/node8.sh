@@ -87,6 +87,7 @@ stream() {
 }
 
 elastic() {
+  [ "$GPUS" -ge 8 ] || { echo "skipped, needs 8 GPUs: elastic (tp=4 x dp=2 resumed at tp=8 and dp=8)"; return; }
   rm -rf "$CKPT/el"
   local common=(--config llama-style --model.preset=llama-3-8b --model.vocab_size=128256 --fsdp=zero3 "${TEXT[@]}"
     --data.seq_len=2048 --train.micro_batch_size=1 --train.batch_size=8 --checkpoint.dir="$CKPT/el"
