@@ -121,6 +121,35 @@ def linear_reduce_scatter_body(tp):
     assert_close(w_local.grad, w_ref.grad[:, cols], "weight grad")
 
 
+def held_body(tp):
+    """An output projection, then an up projection, as in a block: with holding on, the up projection's
+    backward holds its weight-gradient GEMM and the output projection's backward runs it after its
+    own rows' GEMM; every gradient is the one computed at once, bit for bit."""
+    from tpflash.parallel.held_weight_grads import HeldWeightGrads, holding
+    ps = init_tp(tp)
+    h_local = _randn(ps, torch.float32, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
+    w_o = _randn(ps, torch.float32, OUT, IN // tp, seed=11 + ps.tp_rank)
+    w_up = _randn(ps, torch.float32, 8, OUT, seed=12 + ps.tp_rank)
+    grad = _randn(ps, torch.float32, SEQ, BATCH, 8, seed=13 + ps.tp_rank)
+
+    def run(held):
+        h, wo, wu = (t.clone().requires_grad_() for t in (h_local, w_o, w_up))
+        y = overlap.linear_reduce_scatter(h, wo, ps.tp_group, held=held)  # [SEQ/tp, BATCH, OUT]
+        up, = overlap.all_gather_linear(y, [wu], None, ps.tp_group, save_gathered_input=True, held=held)
+        with holding([held] if held is not None else []):
+            up.backward(grad)
+        return h.grad, wo.grad, wu.grad
+
+    at_once = run(None)
+    held, pending_at_run = HeldWeightGrads(), []
+    run_held = held.run
+    held.run = lambda: pending_at_run.append(len(held.pending)) or run_held()
+    got = run(held)
+    assert pending_at_run == [1, 0], f"held GEMMs pending at each run: {pending_at_run} (the output projection's, then none left)"
+    for name, a, b in zip(("input", "output projection weight", "up projection weight"), got, at_once):
+        assert torch.equal(a, b), f"{name} grad differs when the up projection's weight gradient is held"
+
+
 def autocast_body(tp):
     """Under bf16 autocast the overlapped MLP computes in bf16 like F.linear would (same output dtype),
     and returns fp32 parameter gradients, matching the plain path."""
@@ -189,6 +218,11 @@ def test_linear_reduce_scatter_matches_reference(ranks, tp):
     ranks(tp).run(linear_reduce_scatter_body, tp)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_held_weight_gradient_runs_in_the_next_row_backward_and_equals_the_one_at_once(ranks, tp):
+    ranks(tp).run(held_body, tp)
+
+
 def test_overlap_under_bf16_autocast_matches_overlap_off(ranks):
     ranks(2).run(autocast_body, 2)
 
@@ -251,6 +285,7 @@ def all_bodies(tp):
         multi_weight_body(tp, False)
         linear_reduce_scatter_body(tp)
         autocast_body(tp)
+        held_body(tp)
         block_on_off_body(tp, "swiglu", 1)
         block_on_off_body(tp, "gelu", 4)
     finally:

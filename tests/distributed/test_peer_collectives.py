@@ -32,10 +32,22 @@ def gather_whole(x, group, stream):
     return whole
 
 
+def gather_kept(x, group, stream, owner):
+    """A PeerAllGather of x into `owner`'s kept buffer: the gathered tensor returned as it lies there."""
+    from tpflash.parallel import peer_collectives
+    world = torch.distributed.get_world_size(group)
+    kept = peer_collectives.kept_buffer(owner, group, x.device, world * x.numel() * x.element_size())
+    gathered = peer_collectives.PeerAllGather(x, group, stream, by_piece=True, kept=kept).finish()
+    assert gathered.data_ptr() == kept.view(torch.distributed.get_rank(group), 0, (1,), x.dtype).data_ptr(), \
+        "the gathered tensor is not the kept buffer itself"
+    return gathered
+
+
 def copy_engine_body(tp):
     """TPFLASH_COMM_BACKEND=copy_engine (peer memory) gives NCCL's results: all-gather bit for bit
-    (read whole, piece by piece as the overlapped layers read it, or as one view of this rank's
-    buffer where its slots hold no padding), reduce-scatter too at tp=2 (one
+    (read whole, piece by piece as the overlapped layers read it, as one view of this rank's
+    buffer where its slots hold no padding, or kept in a buffer of its own that the calls after it
+    leave alone, as a layer keeps its input for the backward), reduce-scatter too at tp=2 (one
     bf16 add either way), along dim 0 and 1, at sizes that are no multiple of the buffer alignment,
     and in a long alternating sequence (the double buffer)."""
     from tpflash.parallel import peer_collectives
@@ -44,7 +56,12 @@ def copy_engine_body(tp):
     torch.manual_seed(ps.tp_rank)
     cases = [(tp * 1024, 4, 2048), (tp * 3, 5, 7), (tp * 17, 3)]
     side = torch.cuda.Stream()
+    owners = [torch.zeros(1) for _ in cases]  # stand-ins for the layers' weights that own kept buffers
     for step in range(6):
+        kept = []  # gathered into their own buffers at this step's start, read after the other calls
+        for shape, owner in zip(cases, owners):
+            shard = torch.randn(*shape, device=ps.device, dtype=torch.bfloat16)[: shape[0] // tp] - step
+            kept.append((gather_kept(shard, ps.tp_group, side, owner), comm.all_gather(shard, 0, ps.tp_group)))
         for shape in cases:
             full = torch.randn(*shape, device=ps.device, dtype=torch.bfloat16)
             shard = full[: shape[0] // tp] + step
@@ -66,6 +83,8 @@ def copy_engine_body(tp):
                 assert torch.equal(got[1], want[1]), f"reduce-scatter {shape}"
             else:
                 assert_close(got[1], want[1], f"reduce-scatter {shape}")
+        for (got, want), shape in zip(kept, cases):  # the workspace's calls since did not touch them
+            assert torch.equal(got, want), f"kept all-gather {shape}, step {step}"
 
 
 @pytest.mark.gpu

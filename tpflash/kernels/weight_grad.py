@@ -15,22 +15,32 @@ import torch
 
 _MM_OUT_DTYPE = [None]  # whether torch.mm(..., out_dtype=) works here; found on first use
 _ADDMM_OUT_DTYPE = [None]  # the same for torch.addmm(..., out_dtype=, out=)
+_MM_DTYPE_OUT = [None]  # the same for torch.mm(..., out_dtype=, out=)
 
 
-def weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+def weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor, into: Optional[torch.Tensor] = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """grad_y^T x in fp32: grad_y [rows, out], x [rows, in] -> [out, in]; added in place to `into`
-    (fp32 [out, in]) when given, so that a weight gradient can be summed over row blocks GEMM by GEMM."""
+    (fp32 [out, in]) when given, so that a weight gradient can be summed over row blocks GEMM by GEMM;
+    written into `out` (fp32 [out, in]) when given, e.g. a gradient already handed to autograd
+    (tpflash.parallel.held_weight_grads)."""
+    if into is not None and out is not None:
+        raise ValueError("weight_grad_fp32: give `into` (add) or `out` (overwrite), not both")
     if grad_y.dtype == torch.float32:
+        if out is not None:
+            return torch.mm(grad_y.t(), x, out=out)
         return torch.mm(grad_y.t(), x) if into is None else into.addmm_(grad_y.t(), x)
-    flag = _MM_OUT_DTYPE if into is None else _ADDMM_OUT_DTYPE
+    flag = _MM_DTYPE_OUT if out is not None else _MM_OUT_DTYPE if into is None else _ADDMM_OUT_DTYPE
     if flag[0] is not False and grad_y.is_cuda:
         try:
-            if into is None:
-                out = torch.mm(grad_y.t(), x, out_dtype=torch.float32)
+            if out is not None:
+                result = torch.mm(grad_y.t(), x, out_dtype=torch.float32, out=out)
+            elif into is None:
+                result = torch.mm(grad_y.t(), x, out_dtype=torch.float32)
             else:
-                out = torch.addmm(into, grad_y.t(), x, out_dtype=torch.float32, out=into)
+                result = torch.addmm(into, grad_y.t(), x, out_dtype=torch.float32, out=into)
             flag[0] = True
-            return out
+            return result
         except torch.OutOfMemoryError:  # a real failure, not a missing overload
             raise
         except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm.dtype for these inputs
@@ -39,4 +49,6 @@ def weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor, into: Optional[torch
         product = torch.mm(grad_y.t(), x).float()
     else:  # CPU has no out_dtype GEMM; an fp32 one gives the same sums as the GPU's fp32 accumulator
         product = torch.mm(grad_y.t().float(), x.float())
+    if out is not None:
+        return out.copy_(product)
     return product if into is None else into.add_(product)

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from ..parallel import comm, overlap, peer_collectives
+from ..parallel.held_weight_grads import holding
 from . import weight_casts
 
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
@@ -152,6 +153,11 @@ class GraphedBlocks:
         device = sample_x.device
         # the gradients dp_sync's hooks write in place inside the backward graph: not returned
         taken = dp_sync.hooked if dp_sync is not None else frozenset()
+        # weight-gradient GEMMs held back within each block's backward: sound where nothing reads a gradient
+        # before the stack's backward returns, i.e. without dp_sync's per-gradient hooks or anyone else's
+        hooked = dp_sync is not None or any(getattr(p, "_backward_hooks", None) for p in self.params)
+        self.held = [] if hooked else [b.held_weight_grads for b in self.blocks
+                                       if getattr(b, "held_weight_grads", None) is not None]
         self.returned = tuple(id(p) not in taken for p in self.params)
         self.autocast_state = _autocast_state(device.type)
         self.training = self.blocks[0].training
@@ -230,7 +236,8 @@ class GraphedBlocks:
 
     def _backward(self) -> None:
         with self.dp_sync.gradient_hooks() if self.dp_sync is not None else contextlib.nullcontext():
-            self.input_grads = self._differentiate(self.outputs, self.static_grad_out)
+            with holding(self.held):
+                self.input_grads = self._differentiate(self.outputs, self.static_grad_out)
 
     def _differentiate(self, outputs, grads) -> Tuple[Optional[torch.Tensor], ...]:
         """(d x, d each parameter) of the stack. Where the dp sync says not to collect the parameter
@@ -254,7 +261,7 @@ class GraphedBlocks:
             for _ in range(WARMUP_ITERS):
                 with _autocast(device_type, self.autocast_state):
                     outs = self._run_blocks(self.static_x)
-                with _autocast(device_type, NO_AUTOCAST):
+                with _autocast(device_type, NO_AUTOCAST), holding(self.held):
                     self._differentiate(outs, [torch.ones_like(o) for o in outs])
             del outs
         torch.cuda.synchronize()

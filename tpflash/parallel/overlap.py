@@ -52,6 +52,7 @@ from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
 from ..layers.weight_casts import stacked_cast
 from . import comm, peer_collectives
+from .held_weight_grads import HeldWeightGrads
 from .state import group_size
 
 _ENV = "TPFLASH_OVERLAP"
@@ -198,13 +199,21 @@ class _GroupReduceScatter:
         return self.finish(a @ w)
 
 
-def _all_gather(x: torch.Tensor, group, keep: bool = True, whole: bool = False):
+def _all_gather(x: torch.Tensor, group, keep: bool = True, whole: bool = False,
+                owner: Optional[torch.Tensor] = None):
     """The all-gather of x over group, each rank's part usable as it arrives; keep=False: `finish`
     need not return the gathered tensor (the copy engines then copy nothing out); whole: `whole()`
-    may give every part as one tensor (or None: then by `piece`)."""
+    may give every part as one tensor (or None: then by `piece`). keep with `owner` (the layer's first
+    weight), in the work a CUDA graph captures: the parts arrive in a buffer of the owner's own
+    (peer_collectives.kept_buffer), which `finish` returns as it is: nothing copied out, the capture
+    guaranteeing the one backward per forward that keeps it valid."""
     if copy_engines_reach(x, group):
+        kept = None
+        if keep and owner is not None and peer_collectives.capturing_for_graphs():
+            nbytes = dist.get_world_size(group) * x.numel() * x.element_size()
+            kept = peer_collectives.kept_buffer(owner, group, x.device, nbytes)
         return peer_collectives.PeerAllGather(x, group, _side_stream(x.device), keep=keep, by_piece=True,
-                                              whole=whole)
+                                              whole=whole, kept=kept)
     return _GroupAllGather(x, group)
 
 
@@ -230,13 +239,30 @@ def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: to
             torch.addmm(b, gather.piece(r), w, out=dst)
 
 
-def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
+def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor,
+                          held: Optional[HeldWeightGrads] = None) -> torch.Tensor:
     """A row layer's two backward GEMMs over an all-gathered grad_y: grad_h[rows of r] = piece(r) @ w,
-    rank by rank as the pieces arrive, then the fp32 weight gradient grad_y^T h."""
+    rank by rank as the pieces arrive, then the fp32 weight gradient grad_y^T h. The GEMMs `held`
+    back from an earlier layer run after this rank's rows, while the peers' rows travel."""
     m = grad_h.shape[0] // len(gather.order())
-    for r in gather.order():
+    for i, r in enumerate(gather.order()):
         torch.mm(gather.piece(r), w, out=grad_h[r * m:(r + 1) * m])
+        if i == 0 and held is not None:
+            held.run()
     return _weight_grad_with_gathered(gather, h, gathered_is_grad=True)
+
+
+def _weight_grad_now_or_held(held: Optional[HeldWeightGrads], grad_y: torch.Tensor, x: torch.Tensor,
+                             weight_dtypes: Sequence[torch.dtype]) -> torch.Tensor:
+    """The fp32 weight gradient grad_y^T x (grad_y [rows, out], x [rows, in]): computed now, or, where
+    `held` allows it, an unfilled [out, in] tensor that the held GEMM writes before anything reads it
+    (tpflash.parallel.held_weight_grads). Held only where every weight it feeds is fp32: the
+    gradient then reaches them without a cast that would read it early."""
+    if held is None or not held.enabled or any(dt != torch.float32 for dt in weight_dtypes):
+        return weight_grad_fp32(grad_y, x)
+    grad_w = torch.empty((grad_y.shape[1], x.shape[1]), dtype=torch.float32, device=grad_y.device)
+    held.hold(lambda: weight_grad_fp32(grad_y, x, out=grad_w))
+    return grad_w
 
 
 def _weight_grad_with_gathered(gather, other: torch.Tensor, gathered_is_grad: bool) -> torch.Tensor:
@@ -297,13 +323,14 @@ def _chunks(m: int, n: int) -> List[slice]:
 
 class _ColumnLinearOverPeers(torch.autograd.Function):
     """ys_i = all_gather_seq(x_local) @ W_i^T + b_i: x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp].
-    save_gathered: keep the gathered input for the weight gradient, else gather it again there."""
+    save_gathered: keep the gathered input for the weight gradient, else gather it again there.
+    held: where the weight gradient over a kept input may be held back (HeldWeightGrads), or None."""
 
     @staticmethod
-    def forward(ctx, x_local, group, save_gathered, n, *params):
+    def forward(ctx, x_local, group, save_gathered, held, n, *params):
         weights, biases = params[:n], params[n:]
         dtype = linear_compute_dtype(x_local)
-        ctx.group, ctx.x_dtype, ctx.local_shape = group, x_local.dtype, x_local.shape
+        ctx.group, ctx.x_dtype, ctx.local_shape, ctx.held = group, x_local.dtype, x_local.shape, held
         ctx.sizes, ctx.save_gathered = [w.shape[0] for w in weights], save_gathered
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         rows = _rows(x_local.to(dtype))  # [s/tp*b, in]
@@ -311,7 +338,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         with _no_autocast(rows):
             w_c = stacked_cast(weights, dtype)  # [sum out_i/tp, in]
             b_c = None if biases[0] is None else stacked_cast(biases, dtype)
-            gather = _all_gather(rows, group, keep=save_gathered)
+            gather = _all_gather(rows, group, keep=save_gathered, owner=weights[0])
             out = rows.new_empty((world * rows.shape[0], w_c.shape[0]))  # [s*b, sum out_i/tp]
             _gather_multiply(gather, w_c.t(), b_c, out)
             x_full = gather.finish()  # [s*b, in] (None when not kept)
@@ -327,7 +354,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         lead = next((g.shape[:-1] for g in grad_ys if g is not None), (rows,))  # [s, b] (or [s*b])
         grads = [torch.zeros(lead + (size,), dtype=w_c.dtype, device=w_c.device) if g is None
                  else g.to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]  # [s, b, out_i] (views)
-        has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[4 + n:])
+        has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[5 + n:])
         bias_sums = None
         if n > 1 and has_bias:  # concatenated and their column sums taken in one pass
             grad_y, bias_sums = concat_with_column_sum(grads)  # [s*b, sum out]
@@ -336,8 +363,8 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         with _no_autocast(x_saved):
             gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False, whole=True)
             pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
-            if gather is None:  # ... the weight gradient is computed
-                grad_w = weight_grad_fp32(grad_y, x_saved)
+            if gather is None:  # ... the weight gradient is computed (or held for a later layer's waits)
+                grad_w = _weight_grad_now_or_held(ctx.held, grad_y, x_saved, ctx.param_dtypes[:n])
             else:
                 grad_w = _weight_grad_with_gathered(gather, grad_y, gathered_is_grad=False)
             grad_w = grad_w.split(ctx.sizes)
@@ -349,7 +376,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             if gather is not None:
                 gather.finish()
         params = [None if g is None else g.to(dt) for g, dt in zip(list(grad_w) + list(grad_b), ctx.param_dtypes)]
-        return (grad_x.view(ctx.local_shape).to(ctx.x_dtype), None, None, None, *params)
+        return (grad_x.view(ctx.local_shape).to(ctx.x_dtype), None, None, None, None, *params)
 
 
 class _RowLinearOverPeers(torch.autograd.Function):
@@ -357,9 +384,9 @@ class _RowLinearOverPeers(torch.autograd.Function):
     gradient is this rank's tokens' part."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, group):
+    def forward(ctx, h, weight, bias, group, held):
         dtype = linear_compute_dtype(h)
-        ctx.group, ctx.dtypes = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.group, ctx.dtypes, ctx.held = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype), held
         h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
         with _no_autocast(h):
             b_c = None if bias is None else stacked_cast([bias], dtype)
@@ -374,25 +401,28 @@ class _RowLinearOverPeers(torch.autograd.Function):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
             gather = _all_gather(grad_rows, ctx.group, keep=False, whole=True)
             grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
-            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h)  # [out, in/tp]
+            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held)  # [out, in/tp]
             grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
             gather.finish()
-        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), grad_b, None
+        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), grad_b, None, None
 
 
 # ---- entry points ----------------------------------------------------------------------------------
 
 def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
                       biases: Optional[Sequence[Optional[torch.Tensor]]] = None, group=None,
-                      save_gathered_input: Optional[bool] = None) -> List[torch.Tensor]:
+                      save_gathered_input: Optional[bool] = None,
+                      held: Optional[HeldWeightGrads] = None) -> List[torch.Tensor]:
     """[F.linear(all_gather_along_seq(x_local), W_i, b_i) for each i], the gather overlapped with the GEMMs.
 
     x_local: [s/tp, b, in] (sequence-first, this rank's tokens); W_i: [out_i/tp, in]; returns
     [s, b, out_i/tp] per weight. Several weights share one gathered input (q/k/v, up/gate).
     save_gathered_input=True keeps the gathered input for the backward (tp times the memory of
-    x_local; inside CUDA graphs its copy out of the peer buffers runs as SM kernels beside the
-    GEMMs); False keeps only x_local and gathers it again in the backward, beside the input-gradient
-    GEMMs; None (default): `keeps_gathered_input`. Process group: `group` (None: tp=1).
+    x_local; inside a CUDA graph's capture in a buffer of the layer's own, peer_collectives.kept_buffer,
+    elsewhere copied out of the peer buffers); False keeps only x_local and gathers it again in the
+    backward, beside the input-gradient GEMMs; None (default): `keeps_gathered_input`. held: over a
+    kept input, the weight gradient's GEMM may be held back for a later layer's waits
+    (tpflash.parallel.held_weight_grads). Process group: `group` (None: tp=1).
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
@@ -403,7 +433,7 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
         biases = [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
                   for w, b in zip(weights, biases)]
     keep = keeps_gathered_input(save_gathered_input, group_size(group))
-    return list(_ColumnLinearOverPeers.apply(x_local, group, keep, len(weights), *weights, *biases))
+    return list(_ColumnLinearOverPeers.apply(x_local, group, keep, held, len(weights), *weights, *biases))
 
 
 def keeps_gathered_input(save_gathered_input: Optional[bool], tp: int) -> bool:
@@ -416,14 +446,17 @@ def keeps_gathered_input(save_gathered_input: Optional[bool], tp: int) -> bool:
 
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
-                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          bias: Optional[torch.Tensor] = None,
+                          held: Optional[HeldWeightGrads] = None) -> torch.Tensor:
     """reduce_scatter_along_seq(F.linear(h, weight)) + bias, the GEMMs overlapped with the reduce-scatter.
 
     h: [s, b, in/tp] (sequence-first); weight: [out, in/tp]; bias: [out] or None, added once per
     token in this rank's own GEMM (its gradient is this rank's tokens' part: a replicated bias
     needs its gradient summed over tp, e.g. through comm.copy_to_tp_region); returns this rank's
-    summed tokens [s/tp, b, out]. Raises ValueError, before any collective, when s is not divisible
-    by tp or the bias has the wrong size. Process group: `group`.
+    summed tokens [s/tp, b, out]. held: GEMMs held back from an earlier layer's backward, run in
+    this one's while the peers' parts of grad_y travel (tpflash.parallel.held_weight_grads).
+    Raises ValueError, before any collective, when s is not divisible by tp or the bias has the
+    wrong size. Process group: `group`.
     """
     world = group_size(group)
     if world == 1:
@@ -433,4 +466,4 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the weight {tuple(weight.shape)}: "
                          f"it must be [{weight.shape[0]}] (one value per output feature)")
-    return _RowLinearOverPeers.apply(h, weight, bias, group)
+    return _RowLinearOverPeers.apply(h, weight, bias, group, held)

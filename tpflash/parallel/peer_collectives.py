@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.sum_parts import sum_parts
-from .peer_workspace import _side_wait, _side_wait_back, _slot_bytes, _take_turn, _workspace
-from .peer_workspace import graph_epoch
+from .peer_workspace import _side_wait, _side_wait_back, _slot_bytes, _take_turn, _workspace, _Workspace
+from .peer_workspace import graph_epoch, kept_buffer
 
 __all__ = ["BACKENDS", "PeerAllGather", "PeerReduceScatter", "all_gather", "available", "can_map_peers",
-           "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "peer_access",
+           "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "kept_buffer", "peer_access",
            "reachable", "reduce_scatter", "reduce_scatter_pieces", "use_copy_engine"]
 
 _ENV = "TPFLASH_COMM_BACKEND"
@@ -165,18 +165,29 @@ class PeerAllGather:
     only used through `piece`, and nothing is copied out). With whole=True and keep=False, x is also
     copied into this rank's own slot beside the pushes, and `whole()` waits for every part and
     returns them as one [world*n, ...] tensor, a view of this rank's buffer (valid until `finish`),
-    where the slots lie end to end (no padding; else None).
+    where the slots lie end to end (no padding; else None). With `kept` (a buffer of this call's
+    own, peer_workspace.kept_buffer, of world * x's bytes) the parts are pushed there instead, x is
+    copied into this rank's slot, and `finish()` returns that buffer as the gathered [world*n, ...]
+    tensor: kept for a backward without a copy out of the shared workspace, valid until the next
+    gather into the same buffer.
     At most one other call on the group may be issued in between, and the parts must be used before
-    it finishes.
+    it finishes (or, with `kept`, be read from the buffer).
     """
 
     def __init__(self, x: torch.Tensor, group, stream: Optional[torch.cuda.Stream] = None, keep: bool = True,
-                 by_piece: bool = False, whole: bool = False):
+                 by_piece: bool = False, whole: bool = False, kept: Optional[_Workspace] = None):
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.x = x.contiguous()
         self.slot = _slot_bytes(self.x.shape, self.x.dtype)
-        self.ws = _workspace(group, x.device, 2 * self.world * self.slot)
-        self.buffer, self.in_epoch = _take_turn(self.ws)
+        self.kept = kept
+        if kept is not None:
+            self.slot = self.x.numel() * self.x.element_size()  # the parts end to end: one tensor
+            if kept.nbytes != self.world * self.slot:
+                raise ValueError(f"PeerAllGather: a kept buffer of {kept.nbytes} bytes for {self.world} parts of "
+                                 f"{self.slot} bytes")
+            keep = False
+        self.ws = _workspace(group, x.device, 2 * self.world * _slot_bytes(self.x.shape, self.x.dtype))
+        self.buffer, self.in_epoch = _take_turn(self.ws)  # the barrier and signal channels still take turns
         self.stream = stream or torch.cuda.current_stream()
         self.out = x.new_empty((self.world * x.shape[0],) + tuple(x.shape[1:])) if keep else None
         # a signal channel per buffer: a call's signals are all taken by its own piece/finish, before
@@ -192,7 +203,7 @@ class PeerAllGather:
             if keep:
                 parts[self.rank].copy_(self.x)
             # the parts as one tensor in this rank's buffer, where the slots hold exactly one part each
-            self.adjacent = whole and not keep and self.slot == self.x.numel() * self.x.element_size()
+            self.adjacent = kept is not None or (whole and not keep and self.slot == self.x.numel() * self.x.element_size())
             if self.adjacent:
                 self._view(self.rank, self.rank).copy_(self.x)
                 self.own_copied = torch.cuda.Event()
@@ -204,8 +215,12 @@ class PeerAllGather:
                 parts[r].copy_(self._view(self.rank, r))
         self._waited: set = set()  # peers whose part the current stream has waited for
 
-    def _view(self, owner: int, slot: int) -> torch.Tensor:
-        return self.ws.view(owner, (self.buffer * self.world + slot) * self.slot, self.x.shape, self.x.dtype)
+    def _view(self, owner: int, slot: int, parts: int = 1) -> torch.Tensor:
+        """owner's buffer from `slot`, `parts` slots long, as [parts * n, ...] (slots end to end if parts > 1)."""
+        shape = (parts * self.x.shape[0],) + tuple(self.x.shape[1:])
+        if self.kept is not None:
+            return self.kept.view(owner, slot * self.slot, shape, self.x.dtype)
+        return self.ws.view(owner, (self.buffer * self.world + slot) * self.slot, shape, self.x.dtype)
 
     def _signal(self, r: int) -> None:
         """Tell r its part has arrived, once the push queued last is done: from a stream of its own, so
@@ -244,8 +259,7 @@ class PeerAllGather:
         for r in self.order()[1:]:
             self._wait_for(r)
         torch.cuda.current_stream().wait_event(self.own_copied)
-        shape = (self.world * self.x.shape[0],) + tuple(self.x.shape[1:])
-        return self.ws.view(self.rank, self.buffer * self.world * self.slot, shape, self.x.dtype)
+        return self._view(self.rank, 0, parts=self.world)
 
     def finish(self) -> Optional[torch.Tensor]:
         if self.channel is not None:  # take every signal of this call: the channel's next call sends again
@@ -255,7 +269,7 @@ class PeerAllGather:
         _side_wait_back(self.stream)
         if not self.in_epoch:
             self.ws.barrier()  # every rank has read its buffer: they may be written again
-        return self.out
+        return self.whole() if self.kept is not None else self.out
 
 
 class PeerReduceScatter:

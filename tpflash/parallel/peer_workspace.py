@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from typing import Dict, List, Tuple
 
 import torch
@@ -90,6 +91,29 @@ def _workspace(group, device: torch.device, nbytes: int) -> _Workspace:
         size = max(nbytes, 2 * (ws.nbytes if ws else 0))
         ws = _workspaces[key] = _Workspace(group, device, -(-size // _ALIGN) * _ALIGN)
     return ws
+
+
+_kept: Dict[int, Dict[tuple, _Workspace]] = {}  # id(owner) -> (group, device, bytes) -> its buffer
+
+
+def kept_buffer(owner: torch.Tensor, group, device: torch.device, nbytes: int) -> _Workspace:
+    """A symmetric buffer of nbytes that belongs to `owner` (a layer's first weight) alone, mapped by
+    every rank of group: where the layer's all-gathered input stays from its forward to its backward
+    (PeerAllGather's `kept`), so that nothing is copied out of the shared workspace. Its contents
+    live until the owner's next gather into it: one backward per forward, in order, as a CUDA graph
+    of the blocks replays them. Created on first use, by every rank together (a rendezvous: never
+    during graph capture), and dropped with the owner."""
+    buffers = _kept.get(id(owner))
+    if buffers is None:
+        buffers = _kept[id(owner)] = {}
+        weakref.finalize(owner, _kept.pop, id(owner), None)
+    key = (id(group), device, nbytes)
+    if key not in buffers:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a kept all-gather needs a new {nbytes}-byte buffer during CUDA graph capture: "
+                               "run the captured work once eagerly first (GraphedBlocks' warm-up does)")
+        buffers[key] = _Workspace(group, device, nbytes)
+    return buffers[key]
 
 
 def _slot_bytes(shape, dtype: torch.dtype) -> int:
