@@ -11,15 +11,21 @@ is one GEMM over the weights stacked (q/k/v, up/gate) as in tpflash.layers.autoc
 
   column forward   ys = all_gather(x) @ [W_1; ..; W_n]^T   this rank's rows are multiplied while the
                    copy engines move the others; each peer's rows are multiplied once they are here
+                   (x kept for the backward above two ranks: inside a graph capture in a buffer
+                   of the layer's own, which the peers' rows are pushed into, nothing copied out)
   column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
                    sent first; the weight-gradient GEMM runs while they travel (one GEMM over x
-                   gathered again beside the first GEMMs, unless x was kept); this rank's rows
-                   last, their GEMM adding the parts received (two ranks: in its epilogue)
+                   gathered again beside the first GEMMs, unless x was kept; over a kept x, the
+                   MLP's up projection may hold it for the output projection's backward instead:
+                   tpflash.parallel.held_weight_grads); this rank's rows last, their GEMM adding
+                   the parts received (two ranks: in its epilogue)
   row forward      y = reduce_scatter(h @ W^T) + b         the same sends (the first peer's rows in two
                    GEMMs, so that its transfer starts early; the own rows' GEMM, which adds the
                    bias, covers the last transfer)
-  row backward     grad_h = all_gather(grad_y) @ W,         as the column forward, then the weight
-                   grad_W = all_gather(grad_y)^T h           gradient in one GEMM over the gathered grad_y
+  row backward     grad_h = all_gather(grad_y) @ W,         as the column forward (GEMMs held back from an
+                   grad_W = all_gather(grad_y)^T h           earlier layer run after this rank's rows, while
+                                                            the peers' travel), then the weight gradient in
+                                                            one GEMM over the gathered grad_y
 
 Activations are sequence-first ([s/tp, b, feat] per rank), so "rank r's rows" are one contiguous
 block of [s*b, feat] and every piece is a plain GEMM into a slice of the output. Where the GPUs
