@@ -106,7 +106,7 @@ def test_a_block_computes_the_same_with_and_without_the_one_cast(family, monkeyp
         assert torch.equal(with_cast, without)
 
 
-def test_a_graphed_stack_casts_every_blocks_weights_in_one_multi_tensor_copy(monkeypatch):
+def test_a_graphed_stack_casts_each_blocks_weights_in_one_multi_tensor_copy(monkeypatch):
     blocks = [_block("gpt2") for _ in range(3)]
     calls = []
     real = torch._foreach_copy_
@@ -116,6 +116,22 @@ def test_a_graphed_stack_casts_every_blocks_weights_in_one_multi_tensor_copy(mon
         calls.clear()
         with _recording_lookups() as (hits, misses):
             graphed(torch.randn(8, 2, 32))
-    expected = sum(1 for b in blocks for g in b.weight_cast_groups() for t in g if t is not None)
-    assert calls == [expected], f"multi-tensor copies of {calls} tensors, expected one of {expected}"
+    expected = [sum(1 for g in b.weight_cast_groups() for t in g if t is not None) for b in blocks]
+    assert calls == expected, f"multi-tensor copies of {calls} tensors, expected one per block of {expected}"
     assert not misses
+
+
+def test_a_prepared_cast_is_found_before_it_is_filled_and_filled_once(monkeypatch):
+    w, b = torch.randn(4, 3), torch.randn(4)
+    cast = weight_casts.prepare_cast([(w,), (b,)], BF16)
+    copies = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: copies.append(len(src)) or real(dst, src))
+    with weight_casts.open_casts([cast, None], BF16):
+        view = weight_casts.cached_cast([w], BF16)
+        assert view is not None and copies == [], "the views exist before any copy is issued"
+        cast.fill()
+        cast.fill()
+        assert copies == [2], f"copies issued: {copies}"
+        assert torch.equal(view, w.to(BF16)) and torch.equal(weight_casts.cached_cast([b], BF16), b.to(BF16))
+    assert weight_casts.cached_cast([w], BF16) is None

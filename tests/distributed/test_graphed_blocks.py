@@ -120,6 +120,51 @@ def fallback_body(tp):
         assert_close(graphed(idx, targets), eager(idx, targets), "loss under no_grad", tol=1e-6)
 
 
+def casts_in_waits_body(tp):
+    """Under bf16 autocast with the overlap on, the graphed stack casts the first block's weights before
+    it and each next block's inside the previous block's output projection (beside its reduce-scatter's
+    last transfers), and gives the eager model's loss and gradients bit for bit."""
+    from tpflash.layers import weight_casts
+    ps = init_tp(tp)
+    graphed, eager = twins(config(True), ps.device)
+    for model in (graphed, eager):
+        overlap.set_overlap(model, True)
+    inside, fills = [False], []
+    real_scatter, real_fill = overlap._multiply_scatter, weight_casts.PendingCast.fill
+
+    def scatter(*args, **kwargs):
+        inside[0] = True
+        try:
+            return real_scatter(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def fill(cast):
+        if not cast.filled:
+            fills.append(inside[0])
+        real_fill(cast)
+
+    overlap._multiply_scatter, weight_casts.PendingCast.fill = scatter, fill
+    results = []
+    try:
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        with autocast:
+            graphed.capture_cuda_graphs(BATCH, SEQ)
+        for model in (graphed, eager):
+            fills.clear()
+            with autocast:
+                loss = model(*batch(3, ps.device))
+            loss.backward()
+            results.append([loss] + [p.grad for p in model.parameters()])
+            if model is graphed:
+                n = config(True).n_layer
+                assert fills == [False] + [True] * (n - 1), f"casts issued inside an output projection: {fills}"
+    finally:
+        overlap._multiply_scatter, weight_casts.PendingCast.fill = real_scatter, real_fill
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"graphed and eager differ ({'loss' if i == 0 else f'gradient {i - 1}'})"
+
+
 def hooked_body(tp):
     """A capture holds weight-gradient GEMMs back only where no parameter has a gradient hook (a hook
     would read the held gradient before the GEMM fills it)."""
@@ -185,6 +230,11 @@ def test_graphed_gpt_with_overlap_trains_like_the_eager_gpt(ranks):
 @pytest.mark.cpu_ranks
 def test_graphed_gpt_holds_weight_gradients_for_the_output_projection_and_trains_like_the_eager_gpt(ranks):
     ranks(4).run(overlap_held_body, 4)
+
+
+@pytest.mark.cpu_ranks
+def test_the_graphed_stack_casts_each_next_blocks_weights_in_the_output_projections_wait(ranks):
+    ranks(2).run(casts_in_waits_body, 2)
 
 
 @pytest.mark.cpu_ranks
@@ -299,13 +349,13 @@ def held_gemms_body(tp, overlap_on):
     """(the graphed GPT's training checks, as train_body, against an eager twin that overlaps too: the
     same sums in the same order) and the number of weight-gradient GEMMs its blocks held back for
     their output projections' backward."""
-    from tpflash.parallel.held_weight_grads import HeldWeightGrads
-    held, real = [], HeldWeightGrads.hold
-    HeldWeightGrads.hold = lambda self, gemm: (held.append(1) if self.enabled else None) or real(self, gemm)
+    from tpflash.parallel.held_work import HeldWork
+    held, real = [], HeldWork.hold
+    HeldWork.hold = lambda self, work: (held.append(1) if self.holds_gradients else None) or real(self, work)
     try:
         train_body(tp, True, 2, 2, overlap_on, "auto", overlap_eager=True)
     finally:
-        HeldWeightGrads.hold = real
+        HeldWork.hold = real
     return len(held)
 
 

@@ -125,7 +125,7 @@ def held_body(tp):
     """An output projection, then an up projection, as in a block: with holding on, the up projection's
     backward holds its weight-gradient GEMM and the output projection's backward runs it after its
     own rows' GEMM; every gradient is the one computed at once, bit for bit."""
-    from tpflash.parallel.held_weight_grads import HeldWeightGrads, holding
+    from tpflash.parallel.held_work import HeldWork, holding_gradients
     ps = init_tp(tp)
     h_local = _randn(ps, torch.float32, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
     w_o = _randn(ps, torch.float32, OUT, IN // tp, seed=11 + ps.tp_rank)
@@ -136,16 +136,17 @@ def held_body(tp):
         h, wo, wu = (t.clone().requires_grad_() for t in (h_local, w_o, w_up))
         y = overlap.linear_reduce_scatter(h, wo, ps.tp_group, held=held)  # [SEQ/tp, BATCH, OUT]
         up, = overlap.all_gather_linear(y, [wu], None, ps.tp_group, save_gathered_input=True, held=held)
-        with holding([held] if held is not None else []):
+        with holding_gradients([held] if held is not None else []):
             up.backward(grad)
         return h.grad, wo.grad, wu.grad
 
     at_once = run(None)
-    held, pending_at_run = HeldWeightGrads(), []
+    held, pending_at_run = HeldWork(), []
     run_held = held.run
     held.run = lambda: pending_at_run.append(len(held.pending)) or run_held()
     got = run(held)
-    assert pending_at_run == [1, 0], f"held GEMMs pending at each run: {pending_at_run} (the output projection's, then none left)"
+    # the output projection's forward (nothing held), its backward (the up projection's GEMM), the end
+    assert pending_at_run == [0, 1, 0], f"held work pending at each run: {pending_at_run}"
     for name, a, b in zip(("input", "output projection weight", "up projection weight"), got, at_once):
         assert torch.equal(a, b), f"{name} grad differs when the up projection's weight gradient is held"
 

@@ -23,7 +23,7 @@ def weight_grad_fp32(grad_y: torch.Tensor, x: torch.Tensor, into: Optional[torch
     """grad_y^T x in fp32: grad_y [rows, out], x [rows, in] -> [out, in]; added in place to `into`
     (fp32 [out, in]) when given, so that a weight gradient can be summed over row blocks GEMM by GEMM;
     written into `out` (fp32 [out, in]) when given, e.g. a gradient already handed to autograd
-    (tpflash.parallel.held_weight_grads)."""
+    (tpflash.parallel.held_work)."""
     if into is not None and out is not None:
         raise ValueError("weight_grad_fp32: give `into` (add) or `out` (overwrite), not both")
     if grad_y.dtype == torch.float32:

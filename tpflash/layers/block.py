@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..parallel import comm
-from ..parallel.held_weight_grads import HeldWeightGrads
+from ..parallel.held_work import HeldWork
 from ..parallel.random import RNGTracker
 from ..parallel.state import group_rank, group_size, resolve_tp_group, sublayer_group
 from . import weight_casts
@@ -62,9 +62,9 @@ class ParallelTransformerBlock(nn.Module):
     pass, instead of keeping it: ParallelMLP's recompute_activation), "full" (recompute the whole block
     in backward), "mlp" (recompute the MLP only, whose [seq, batch, ffn/tp] activations are the block's
     largest) or "selective" (keep the GEMMs' and fused attention's outputs, recompute the rest: norms,
-    activations, rotary; dropout 0). `held_weight_grads`: the MLP's up-projection weight-gradient GEMM,
-    held for the output projection's backward where a CUDA graph capture allows it (GraphedBlocks;
-    tpflash.parallel.held_weight_grads).
+    activations, rotary; dropout 0). `held_work`: work held for the output projection's waits
+    where a CUDA graph capture hands it over (GraphedBlocks; tpflash.parallel.held_work): the next
+    block's weight casts in the forward, the MLP's up-projection weight-gradient GEMM in the backward.
     Attention options (head_dim, qkv_bias, qk_norm, rope_scaling, max_positions, and context parallelism's
     cp_group and cp_comm) are ParallelAttention's; fp8 (the projections' GEMMs) goes to attention and MLP;
     forward's keyword arguments (position_ids, cu_seqlens, max_seqlen: packed documents) go to it.
@@ -104,10 +104,9 @@ class ParallelTransformerBlock(nn.Module):
                                       cp_comm=cp_comm, **layer_kw)
         self.mlp_norm = ParallelNorm(hidden, **norm_kw)
         self.mlp = ParallelMLP(hidden, ffn_hidden, mlp=mlp, recompute_activation=checkpoint == "activation", **layer_kw)
-        # the MLP's up-projection weight gradient may wait for the output projection's backward, which runs
-        # it while the peers' parts of its gathered grad_y travel (where a graph capture allows holding)
-        self.held_weight_grads = HeldWeightGrads()
-        self.mlp.held_weight_grads = self.attn.o_proj.held_weight_grads = self.held_weight_grads
+        # work the output projection runs while its transfers travel (tpflash.parallel.held_work)
+        self.held_work = HeldWork()
+        self.mlp.held_work = self.attn.o_proj.held_work = self.held_work
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return self.rng_tracker.dropout(x, self.dropout, sharded=self.sequence_parallel, training=self.training)

@@ -24,7 +24,7 @@ What a replay assumes, checked where it can be:
   can (TPFLASH_COMM_BACKEND's default, "auto"), else through NCCL. The warm-up passes size the
   symmetric-memory workspaces so that capture allocates nothing;
 - inside the backward graph each block's up-projection weight gradient may be computed late, in the
-  output projection's backward (tpflash.parallel.held_weight_grads): every gradient is complete when
+  output projection's backward (tpflash.parallel.held_work): every gradient is complete when
   the replay ends, but a hook on a parameter would see it early, so a capture holds nothing back where
   any parameter has a gradient hook or dp_sync reduces gradients as they come; the overlapped column
   layers keep their gathered inputs in buffers of their own (peer_collectives.kept_buffer), valid
@@ -41,13 +41,13 @@ replays (static inputs, the autograd Function, gradient accumulation) runs in CI
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..parallel import comm, overlap, peer_collectives
-from ..parallel.held_weight_grads import holding
+from ..parallel.held_work import holding_gradients
 from . import weight_casts
 
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
@@ -162,8 +162,8 @@ class GraphedBlocks:
         # weight-gradient GEMMs held back within each block's backward: sound where nothing reads a gradient
         # before the stack's backward returns, i.e. without dp_sync's per-gradient hooks or anyone else's
         hooked = dp_sync is not None or any(getattr(p, "_backward_hooks", None) for p in self.params)
-        self.held = [] if hooked else [b.held_weight_grads for b in self.blocks
-                                       if getattr(b, "held_weight_grads", None) is not None]
+        self.held = [] if hooked else [b.held_work for b in self.blocks
+                                       if getattr(b, "held_work", None) is not None]
         self.returned = tuple(id(p) not in taken for p in self.params)
         self.autocast_state = _autocast_state(device.type)
         self.training = self.blocks[0].training
@@ -204,9 +204,17 @@ class GraphedBlocks:
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         residual = None
         if self.dp_sync is None:
-            with self._one_grad_bucket(), self._weight_cast(self.blocks, x):
-                for block in self.blocks:
+            casts = self._pending_casts(x)
+            with self._one_grad_bucket(), weight_casts.open_casts(casts, weight_casts.compute_dtype(x)):
+                for i, block in enumerate(self.blocks):
+                    if casts[i] is not None:
+                        casts[i].fill()  # a no-op where the previous block's output projection issued it
+                    held = getattr(block, "held_work", None)
+                    if held is not None and i + 1 < len(casts) and casts[i + 1] is not None:
+                        held.hold(casts[i + 1].fill)  # the next block's casts, in this block's waits
                     x, residual = block(x, residual)
+                    if held is not None:
+                        held.run()  # what its output projection did not run (off the overlapped path)
             return x, residual
         with self._one_grad_bucket():  # each block waits for its weights' all-gather, then casts them
             cast = getattr(self.dp_sync, "cast_weights", True)
@@ -228,6 +236,17 @@ class GraphedBlocks:
         params = [p for b in self.blocks for p in b.tp_partial_grad_parameters()]
         return comm.tp_grad_bucket(params, self.blocks[0].process_group)
 
+    def _pending_casts(self, x: torch.Tensor) -> List[Optional[weight_casts.PendingCast]]:
+        """Each block's weight casts (weight_casts.prepare_cast: a few multi-tensor copy kernels instead of
+        one small cast kernel per weight), not yet issued; all None where the blocks cast their own
+        (selective recomputation) or nothing is cast. Block i+1's are issued in block i's output
+        projection's forward, beside its reduce-scatter's last transfers (tpflash.parallel.held_work),
+        rather than all at the start of the stack."""
+        dtype = weight_casts.compute_dtype(x)
+        if not self.stack_scopes or dtype is None or not all(hasattr(b, "weight_cast_groups") for b in self.blocks):
+            return [None] * len(self.blocks)
+        return [weight_casts.prepare_cast(b.weight_cast_groups(), dtype) for b in self.blocks]
+
     def _weight_cast(self, blocks: Sequence[nn.Module], x: torch.Tensor):
         """One weight_casts.cast_once for `blocks`' weights (all of the stack's, unless their all-gathers
         are waited for block by block): a few multi-tensor copy kernels instead of one small cast
@@ -242,7 +261,7 @@ class GraphedBlocks:
 
     def _backward(self) -> None:
         with self.dp_sync.gradient_hooks() if self.dp_sync is not None else contextlib.nullcontext():
-            with holding(self.held):
+            with holding_gradients(self.held):
                 self.input_grads = self._differentiate(self.outputs, self.static_grad_out)
 
     def _differentiate(self, outputs, grads) -> Tuple[Optional[torch.Tensor], ...]:
@@ -267,7 +286,7 @@ class GraphedBlocks:
             for _ in range(WARMUP_ITERS):
                 with _autocast(device_type, self.autocast_state):
                     outs = self._run_blocks(self.static_x)
-                with _autocast(device_type, NO_AUTOCAST), holding(self.held):
+                with _autocast(device_type, NO_AUTOCAST), holding_gradients(self.held):
                     self._differentiate(outs, [torch.ones_like(o) for o in outs])
             del outs
         torch.cuda.synchronize()

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..kernels.fp8 import Fp8Handoff
 from ..parallel import comm, overlap as _overlap
-from ..parallel.held_weight_grads import HeldWeightGrads
+from ..parallel.held_work import HeldWork
 from ..parallel.sharding import ShardSpec, take_shards
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 from .autocast_linear import add_bias, linear, linears
@@ -90,7 +90,7 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
                             overlap: Optional[bool] = None, seq_dim: int = 0,
                             save_gathered_input: Optional[bool] = None, fp8: str = "off",
                             fp8_amaxes: Optional[Fp8Amaxes] = None,
-                            held: Optional[HeldWeightGrads] = None) -> List[torch.Tensor]:
+                            held: Optional[HeldWork] = None) -> List[torch.Tensor]:
     """[F.linear(x_full, W_i, b_i)] for column-parallel weights W_i [out_i/tp, in] sharing one input.
 
     One input collective serves them all (q/k/v, up/gate): under SP x [seq/tp, b, in] is
@@ -101,7 +101,7 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     cast first and gathered in fp8 (no overlap pipelining). fp8_amaxes: x's amax (this rank's part)
     and the stacked outputs' gradient's, from the neighbouring kernels (Fp8Amaxes). held: on the
     overlapped path, where the weight gradient may be held back for a later layer's waits
-    (tpflash.parallel.held_weight_grads).
+    (tpflash.parallel.held_work).
     """
     if fp8 != "off" and sequence_parallel and group_size(group) > 1:
         return fp8_linears(x, weights, biases, fp8, group, seq_dim, fp8_amaxes)
@@ -201,8 +201,8 @@ class RowParallelLinear(nn.Module):
     (padded to a multiple of tp and split here). Output: [*, out_features] summed over tp, or, with
     sequence_parallel, reduce-scattered along `seq_dim` to [seq/tp, *, out_features].
     The bias is replicated and added after the reduction (at tp=1, inside the GEMM). fp8: as
-    ColumnParallelLinear's. `held_weight_grads` (None unless a block sets it): GEMMs held back from
-    another layer's backward, run in this one's overlapped backward (tpflash.parallel.held_weight_grads).
+    ColumnParallelLinear's. `held_work` (None unless a block sets it): work held back for this
+    layer's waits, run on its overlapped path (tpflash.parallel.held_work).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
@@ -220,7 +220,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel, self.seq_dim = input_is_parallel, sequence_parallel, seq_dim
         self.overlap = overlap
-        self.held_weight_grads: Optional[HeldWeightGrads] = None  # a block's: run in the overlapped backward
+        self.held_work: Optional[HeldWork] = None  # a block's: run on the overlapped path
         self.tp_shard_specs = {"weight": ShardSpec(1, in_features)}
         spec = self.tp_shard_specs["weight"]
         self.padded_in_features = spec.chunk(tp) * tp  # in_features, or the next multiple of tp
@@ -257,7 +257,7 @@ class RowParallelLinear(nn.Module):
             x = _zero_padding(x, self.local_real)  # e.g. act(0) != 0 from a padded column layer
         if self.fp8 == "off" and _pipelined(self):  # each peer's rows computed and sent while the next are computed
             return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp(),
-                                                  self.held_weight_grads)
+                                                  self.held_work)
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue
             return linear(x, self.weight, self.bias, self.fp8, amaxes)
         return self.reduce_partial_sum(linear(x, self.weight, fp8=self.fp8, fp8_amaxes=amaxes))

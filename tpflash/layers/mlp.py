@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from .. import kernels
-from ..parallel.held_weight_grads import HeldWeightGrads
+from ..parallel.held_work import HeldWork
 from ..parallel.state import group_size, resolve_tp_group, sublayer_group
 from ..kernels.dispatch import requested_backend, use_backend
 from ..kernels.fused_dense import fused_dense_gelu_dense
@@ -53,8 +53,8 @@ class ParallelMLP(nn.Module):
     not kept from the forward but remade in the backward from the up (and gate) outputs its own
     backward keeps (tpflash.layers.recompute): one elementwise pass for a [seq, b, ffn/tp] tensor
     less per layer (docs/performance.md, "Activation memory").
-    `held_weight_grads` (None unless a block sets it): where the up/gate projection's weight gradient
-    may be held back for a later layer's waits (tpflash.parallel.held_weight_grads).
+    `held_work` (None unless a block sets it): where the up/gate projection's weight gradient
+    may be held back for a later layer's waits (tpflash.parallel.held_work).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, mlp: str = "gelu", bias: bool = True,
@@ -68,7 +68,7 @@ class ParallelMLP(nn.Module):
             raise ValueError(f"fused_dense=True runs its own bf16 GEMMs: it cannot be combined with fp8={fp8!r}")
         self.fp8 = fp8
         self.fp8_history = None  # fp8="delayed": the up(/gate) GEMM's amax histories (tpflash.layers.fp8_history)
-        self.held_weight_grads: Optional[HeldWeightGrads] = None
+        self.held_work: Optional[HeldWork] = None
         if mlp not in MLPS:
             raise ValueError(f"mlp={mlp!r} must be one of {MLPS}")
         if fused_dense and mlp != "gelu":
@@ -131,7 +131,7 @@ class ParallelMLP(nn.Module):
             y = column_parallel_linears(x, [self.up_proj.weight], [None], self.process_group,
                                         self.sequence_parallel, self.up_proj.overlap, fp8=self.fp8,
                                         fp8_amaxes=Fp8Amaxes(history=self.fp8_history),
-                                        held=self.held_weight_grads)[0]  # [seq, b, ffn/tp], no bias yet
+                                        held=self.held_work)[0]  # [seq, b, ffn/tp], no bias yet
             # the bias added by the activation's kernel, whose backward sums its gradient while writing dy
             activation = partial(ACTIVATIONS[self.mlp], y) if up_bias is None else \
                 partial(kernels.bias_activation, y, up_bias, self.mlp)
@@ -149,7 +149,7 @@ class ParallelMLP(nn.Module):
                                                fp8_amaxes=Fp8Amaxes(grad=amaxes[1] if amaxes else None,
                                                                     history=self.fp8_history,
                                                                     grad_fp8=grad_fp8),
-                                               held=self.held_weight_grads)  # [seq, b, ffn/tp] each
+                                               held=self.held_work)  # [seq, b, ffn/tp] each
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
             activation = partial(kernels.swiglu, up, gate)
             h = kernels.swiglu(up, gate, amaxes, grad_fp8, h_fp8)  # with h_fp8: a stand-in carrying h's gradient

@@ -35,17 +35,28 @@ def compute_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
     return None
 
 
-@contextlib.contextmanager
-def cast_once(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optional[torch.dtype]):
-    """Inside, `stacked_cast(group, dtype)` of any group here (or of one of its tensors) returns a view
-    of one buffer filled on entry by one multi-tensor copy. groups: tuples of tensors whose shapes
-    agree past dim 0 (e.g. (W_q, W_k, W_v), (b_q, b_k, b_v), (W_o,)); groups holding None, tensors
-    already in `dtype`, non-contiguous tensors, another device than the first's, and groups an
-    enclosing cast_once holds already are left out.
-    dtype None: nothing is cast (a no-op context)."""
+class PendingCast:
+    """One buffer of cast views for some groups of tensors (see `cast_once`), with the copy that fills
+    it not yet issued: `fill()` issues it (once; later calls do nothing), on the current stream, and
+    must come before any kernel reads the views. `prepare_cast` makes one; `cast_once` fills it at
+    once, `open_casts` lets GraphedBlocks issue the copy later (a block's casts in the previous
+    block's waits: tpflash.parallel.held_work)."""
+
+    def __init__(self, cache: Dict[tuple, torch.Tensor], views: List[torch.Tensor], tensors: List[torch.Tensor]):
+        self.cache, self.views, self.tensors, self.filled = cache, views, tensors, False
+
+    def fill(self) -> None:
+        if not self.filled:
+            with torch.no_grad():
+                torch._foreach_copy_(self.views, self.tensors)
+            self.filled = True
+
+
+def prepare_cast(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optional[torch.dtype]) -> Optional[PendingCast]:
+    """The buffer and views `cast_once(groups, dtype)` would fill, unfilled; None where nothing is cast
+    (dtype None, or no group castable: see cast_once)."""
     if dtype is None:
-        yield
-        return
+        return None
     kept, device = [], None
     for g in groups:
         if not g or not all(_castable(t, dtype) for t in g):
@@ -54,14 +65,11 @@ def cast_once(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optiona
         if all(t.device == device for t in g) and _lookup(g, dtype) is None:
             kept.append(tuple(g))
     if not kept:
-        yield
-        return
+        return None
     tensors = [t for g in kept for t in g]
     sizes = [t.numel() for t in tensors]
     flat = torch.empty(sum(sizes), dtype=dtype, device=device)
     views = [piece.view(t.shape) for piece, t in zip(flat.split(sizes), tensors)]
-    with torch.no_grad():
-        torch._foreach_copy_(views, tensors)
     cache, start, offset = {}, 0, 0
     for g in kept:
         numel = sum(sizes[start:start + len(g)])
@@ -72,11 +80,37 @@ def cast_once(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optiona
             shape = (sum(t.shape[0] for t in g),) + tuple(g[0].shape[1:])
             cache[keys] = flat[offset:offset + numel].view(shape)
         start, offset = start + len(g), offset + numel
-    _open_casts.append((dtype, cache))
+    return PendingCast(cache, views, tensors)
+
+
+@contextlib.contextmanager
+def open_casts(casts: Sequence[Optional[PendingCast]], dtype: Optional[torch.dtype]):
+    """Inside, `stacked_cast` finds the views of every cast given (None entries skipped), filled or not:
+    the caller issues each one's `fill()` before the layers that read it run."""
+    caches = [c.cache for c in casts if c is not None]
+    if dtype is None or not caches:
+        yield
+        return
+    _open_casts.append((dtype, {key: view for cache in caches for key, view in cache.items()}))
     try:
         yield
     finally:
         _open_casts.pop()
+
+
+@contextlib.contextmanager
+def cast_once(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optional[torch.dtype]):
+    """Inside, `stacked_cast(group, dtype)` of any group here (or of one of its tensors) returns a view
+    of one buffer filled on entry by one multi-tensor copy. groups: tuples of tensors whose shapes
+    agree past dim 0 (e.g. (W_q, W_k, W_v), (b_q, b_k, b_v), (W_o,)); groups holding None, tensors
+    already in `dtype`, non-contiguous tensors, another device than the first's, and groups an
+    enclosing cast_once holds already are left out.
+    dtype None: nothing is cast (a no-op context)."""
+    cast = prepare_cast(groups, dtype)
+    if cast is not None:
+        cast.fill()
+    with open_casts([cast], dtype):
+        yield
 
 
 def _castable(t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:

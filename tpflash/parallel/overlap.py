@@ -17,11 +17,12 @@ is one GEMM over the weights stacked (q/k/v, up/gate) as in tpflash.layers.autoc
                    sent first; the weight-gradient GEMM runs while they travel (one GEMM over x
                    gathered again beside the first GEMMs, unless x was kept; over a kept x, the
                    MLP's up projection may hold it for the output projection's backward instead:
-                   tpflash.parallel.held_weight_grads); this rank's rows last, their GEMM adding
+                   tpflash.parallel.held_work); this rank's rows last, their GEMM adding
                    the parts received (two ranks: in its epilogue)
   row forward      y = reduce_scatter(h @ W^T) + b         the same sends (the first peer's rows in two
                    GEMMs, so that its transfer starts early; the own rows' GEMM, which adds the
-                   bias, covers the last transfer)
+                   bias, and any work held for this layer, tpflash.parallel.held_work, cover the
+                   last transfers)
   row backward     grad_h = all_gather(grad_y) @ W,         as the column forward (GEMMs held back from an
                    grad_W = all_gather(grad_y)^T h           earlier layer run after this rank's rows, while
                                                             the peers' travel), then the weight gradient in
@@ -58,7 +59,7 @@ from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
 from ..layers.weight_casts import stacked_cast
 from . import comm, peer_collectives
-from .held_weight_grads import HeldWeightGrads
+from .held_work import HeldWork
 from .state import group_size
 
 _ENV = "TPFLASH_OVERLAP"
@@ -246,7 +247,7 @@ def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: to
 
 
 def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor,
-                          held: Optional[HeldWeightGrads] = None) -> torch.Tensor:
+                          held: Optional[HeldWork] = None) -> torch.Tensor:
     """A row layer's two backward GEMMs over an all-gathered grad_y: grad_h[rows of r] = piece(r) @ w,
     rank by rank as the pieces arrive, then the fp32 weight gradient grad_y^T h. The GEMMs `held`
     back from an earlier layer run after this rank's rows, while the peers' rows travel."""
@@ -258,13 +259,13 @@ def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torc
     return _weight_grad_with_gathered(gather, h, gathered_is_grad=True)
 
 
-def _weight_grad_now_or_held(held: Optional[HeldWeightGrads], grad_y: torch.Tensor, x: torch.Tensor,
+def _weight_grad_now_or_held(held: Optional[HeldWork], grad_y: torch.Tensor, x: torch.Tensor,
                              weight_dtypes: Sequence[torch.dtype]) -> torch.Tensor:
     """The fp32 weight gradient grad_y^T x (grad_y [rows, out], x [rows, in]): computed now, or, where
     `held` allows it, an unfilled [out, in] tensor that the held GEMM writes before anything reads it
-    (tpflash.parallel.held_weight_grads). Held only where every weight it feeds is fp32: the
+    (tpflash.parallel.held_work). Held only where every weight it feeds is fp32: the
     gradient then reaches them without a cast that would read it early."""
-    if held is None or not held.enabled or any(dt != torch.float32 for dt in weight_dtypes):
+    if held is None or not held.holds_gradients or any(dt != torch.float32 for dt in weight_dtypes):
         return weight_grad_fp32(grad_y, x)
     grad_w = torch.empty((grad_y.shape[1], x.shape[1]), dtype=torch.float32, device=grad_y.device)
     held.hold(lambda: weight_grad_fp32(grad_y, x, out=grad_w))
@@ -287,11 +288,14 @@ def _weight_grad_with_gathered(gather, other: torch.Tensor, gathered_is_grad: bo
     return grad_w
 
 
-def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None,
+                      held: Optional[HeldWork] = None) -> torch.Tensor:
     """reduce_scatter(a @ w) + bias: a [world*m, k], w [k, n], bias [n] -> this rank's summed rows [m, n];
-    the rows due to each peer are sent while the next rows are multiplied. The caller's work queued
-    before the sum overlaps the last transfers: see `_send_parts` for the split form."""
+    the rows due to each peer are sent while the next rows are multiplied, and the work `held` for
+    this layer runs while the last of them travel. See `_send_parts` for the split form."""
     pending, own = _send_parts(a, w, group, bias)
+    if held is not None:
+        held.run()
     return pending.finish(own)
 
 
@@ -330,7 +334,7 @@ def _chunks(m: int, n: int) -> List[slice]:
 class _ColumnLinearOverPeers(torch.autograd.Function):
     """ys_i = all_gather_seq(x_local) @ W_i^T + b_i: x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp].
     save_gathered: keep the gathered input for the weight gradient, else gather it again there.
-    held: where the weight gradient over a kept input may be held back (HeldWeightGrads), or None."""
+    held: where the weight gradient over a kept input may be held back (HeldWork), or None."""
 
     @staticmethod
     def forward(ctx, x_local, group, save_gathered, held, n, *params):
@@ -396,7 +400,7 @@ class _RowLinearOverPeers(torch.autograd.Function):
         h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
         with _no_autocast(h):
             b_c = None if bias is None else stacked_cast([bias], dtype)
-            y = _multiply_scatter(_rows(h), w.t(), group, b_c)  # [s/tp*b, out]
+            y = _multiply_scatter(_rows(h), w.t(), group, b_c, held)  # [s/tp*b, out]
         ctx.save_for_backward(h, w)
         return y.view((h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],))
 
@@ -418,7 +422,7 @@ class _RowLinearOverPeers(torch.autograd.Function):
 def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
                       biases: Optional[Sequence[Optional[torch.Tensor]]] = None, group=None,
                       save_gathered_input: Optional[bool] = None,
-                      held: Optional[HeldWeightGrads] = None) -> List[torch.Tensor]:
+                      held: Optional[HeldWork] = None) -> List[torch.Tensor]:
     """[F.linear(all_gather_along_seq(x_local), W_i, b_i) for each i], the gather overlapped with the GEMMs.
 
     x_local: [s/tp, b, in] (sequence-first, this rank's tokens); W_i: [out_i/tp, in]; returns
@@ -428,7 +432,7 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     elsewhere copied out of the peer buffers); False keeps only x_local and gathers it again in the
     backward, beside the input-gradient GEMMs; None (default): `keeps_gathered_input`. held: over a
     kept input, the weight gradient's GEMM may be held back for a later layer's waits
-    (tpflash.parallel.held_weight_grads). Process group: `group` (None: tp=1).
+    (tpflash.parallel.held_work). Process group: `group` (None: tp=1).
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
@@ -453,14 +457,15 @@ def keeps_gathered_input(save_gathered_input: Optional[bool], tp: int) -> bool:
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
                           bias: Optional[torch.Tensor] = None,
-                          held: Optional[HeldWeightGrads] = None) -> torch.Tensor:
+                          held: Optional[HeldWork] = None) -> torch.Tensor:
     """reduce_scatter_along_seq(F.linear(h, weight)) + bias, the GEMMs overlapped with the reduce-scatter.
 
     h: [s, b, in/tp] (sequence-first); weight: [out, in/tp]; bias: [out] or None, added once per
     token in this rank's own GEMM (its gradient is this rank's tokens' part: a replicated bias
     needs its gradient summed over tp, e.g. through comm.copy_to_tp_region); returns this rank's
-    summed tokens [s/tp, b, out]. held: GEMMs held back from an earlier layer's backward, run in
-    this one's while the peers' parts of grad_y travel (tpflash.parallel.held_weight_grads).
+    summed tokens [s/tp, b, out]. held: work held for this layer's waits (tpflash.parallel.held_work),
+    run in the forward while the last parts travel and in the backward while the peers' parts of
+    grad_y do.
     Raises ValueError, before any collective, when s is not divisible by tp or the bias has the
     wrong size. Process group: `group`.
     """
