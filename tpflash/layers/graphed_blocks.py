@@ -23,12 +23,13 @@ What a replay assumes, checked where it can be:
   collectives elsewhere; serial collectives go through the copy engines where they
   can (TPFLASH_COMM_BACKEND's default, "auto"), else through NCCL. The warm-up passes size the
   symmetric-memory workspaces so that capture allocates nothing;
-- inside the backward graph each block's up-projection weight gradient may be computed late, in the
-  output projection's backward (tpflash.parallel.held_work): every gradient is complete when
-  the replay ends, but a hook on a parameter would see it early, so a capture holds nothing back where
-  any parameter has a gradient hook or dp_sync reduces gradients as they come; the overlapped column
-  layers keep their gathered inputs in buffers of their own (peer_collectives.kept_buffer), valid
-  for the one backward per forward above;
+- each block's output projection runs work its block hands it while its transfers travel
+  (tpflash.parallel.held_work): in the forward graph the next block's weight casts, in the backward
+  graph the up projection's weight gradient, computed late: every gradient is complete when the
+  replay ends, but a hook on a parameter would see it early, so a capture holds no gradient back
+  where any parameter has a gradient hook or dp_sync reduces gradients as they come; the overlapped
+  column layers keep their gathered inputs in buffers of their own (peer_collectives.kept_buffer),
+  valid for the one backward per forward above;
 - the stack's outputs and gradients live in the graphs' memory: a tensor kept from one replay is
   overwritten by the next. Parameter gradients are the exception made safe: a `.grad` still
   holding graph memory when a forward replays (gradient accumulation) is copied out first, once
