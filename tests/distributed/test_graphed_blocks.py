@@ -120,13 +120,14 @@ def fallback_body(tp):
         assert_close(graphed(idx, targets), eager(idx, targets), "loss under no_grad", tol=1e-6)
 
 
-def casts_in_waits_body(tp):
+def casts_in_waits_body(tp, checkpointing=None):
     """Under bf16 autocast with the overlap on, the graphed stack casts the first block's weights before
     it and each next block's inside the previous block's output projection (beside its reduce-scatter's
-    last transfers), and gives the eager model's loss and gradients bit for bit."""
+    last transfers), and gives the eager model's loss and gradients bit for bit (with `checkpointing`
+    too: the recomputed blocks cast their own)."""
     from tpflash.layers import weight_casts
     ps = init_tp(tp)
-    graphed, eager = twins(config(True), ps.device)
+    graphed, eager = twins(config(True, activation_checkpointing=checkpointing), ps.device)
     for model in (graphed, eager):
         overlap.set_overlap(model, True)
     inside, fills = [False], []
@@ -154,11 +155,11 @@ def casts_in_waits_body(tp):
             fills.clear()
             with autocast:
                 loss = model(*batch(3, ps.device))
-            loss.backward()
-            results.append([loss] + [p.grad for p in model.parameters()])
-            if model is graphed:
+            if model is graphed:  # the forward's casts (recomputed blocks cast their own in the backward)
                 n = config(True).n_layer
                 assert fills == [False] + [True] * (n - 1), f"casts issued inside an output projection: {fills}"
+            loss.backward()
+            results.append([loss] + [p.grad for p in model.parameters()])
     finally:
         overlap._multiply_scatter, weight_casts.PendingCast.fill = real_scatter, real_fill
     for i, (a, b) in enumerate(zip(*results)):
@@ -233,8 +234,9 @@ def test_graphed_gpt_holds_weight_gradients_for_the_output_projection_and_trains
 
 
 @pytest.mark.cpu_ranks
-def test_the_graphed_stack_casts_each_next_blocks_weights_in_the_output_projections_wait(ranks):
-    ranks(2).run(casts_in_waits_body, 2)
+@pytest.mark.parametrize("checkpointing", [None, "full"])
+def test_the_graphed_stack_casts_each_next_blocks_weights_in_the_output_projections_wait(ranks, checkpointing):
+    ranks(2).run(casts_in_waits_body, 2, checkpointing)
 
 
 @pytest.mark.cpu_ranks

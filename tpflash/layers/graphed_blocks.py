@@ -249,9 +249,8 @@ class GraphedBlocks:
         return [weight_casts.prepare_cast(b.weight_cast_groups(), dtype) for b in self.blocks]
 
     def _weight_cast(self, blocks: Sequence[nn.Module], x: torch.Tensor):
-        """One weight_casts.cast_once for `blocks`' weights (all of the stack's, unless their all-gathers
-        are waited for block by block): a few multi-tensor copy kernels instead of one small cast
-        kernel per weight."""
+        """One weight_casts.cast_once for `blocks`' weights (a block's, once dp_sync has gathered them): a
+        few multi-tensor copy kernels instead of one small cast kernel per weight."""
         if not self.stack_scopes or not all(hasattr(b, "weight_cast_groups") for b in blocks):
             return contextlib.nullcontext()
         groups = [g for b in blocks for g in b.weight_cast_groups()]
