@@ -41,12 +41,13 @@ def amp(device):
 
 
 def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False, comm_backend="auto",
-               checkpointing=False, overlap_eager=False):
+               checkpointing=False, overlap_eager=False, accumulate_grads=False):
     """`steps` AdamW steps of `micro_batches` accumulated backwards each: graphed vs eager (the graphed
     one's collectives overlapping the GEMMs when `overlap_on`; serial ones by `comm_backend`;
     overlap_on=None: the library's default, decided at capture; the eager one's overlapping with
     `overlap_eager`, else serial; `checkpointing`: both models' activation_checkpointing,
-    recomputed inside the backward graph for the graphed one)."""
+    recomputed inside the backward graph for the graphed one; `accumulate_grads`: the graphed one's
+    weight-gradient GEMMs adding into its weights' main_grad, which must be their .grad)."""
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel, activation_checkpointing=checkpointing), device)
     calls = []  # all-gathers through the copy engines (tpflash.parallel.peer_collectives)
@@ -65,7 +66,7 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         # twin's serial ones: fp32 sums then differ in the last bits
         cpu_tol = 1e-5 if overlap_on and tp > 2 else 1e-6
         with environment(TPFLASH_COMM_BACKEND=comm_backend):
-            _train(graphed, eager, device, steps, micro_batches, cpu_tol)
+            _train(graphed, eager, device, steps, micro_batches, cpu_tol, accumulate_grads)
     finally:
         peer_collectives.PeerAllGather = real
     if device.type == "cuda" and tp > 1 and sequence_parallel and comm_backend != "nccl":
@@ -80,10 +81,15 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         assert graphed._graphed_blocks.overlapped is overlap_on, "the capture did not keep the setting"
 
 
-def _train(graphed, eager, device, steps, micro_batches, cpu_tol=1e-6):
+def _train(graphed, eager, device, steps, micro_batches, cpu_tol=1e-6, accumulate_grads=False):
     with amp(device):
-        graphed.capture_cuda_graphs(BATCH, SEQ)
-    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (graphed, eager)]
+        graphed.capture_cuda_graphs(BATCH, SEQ, accumulate_grads=accumulate_grads)
+    main = graphed._graphed_blocks.main_grads
+    assert (main is not None) == accumulate_grads, "main_grad buffers were not made as asked"
+    if accumulate_grads:  # every linear weight of the blocks: q/k/v, o, up, down
+        assert len(main.weights) == 6 * len(graphed.blocks), f"{len(main.weights)} weights add into main_grad"
+    # accumulating, the fused AdamW the trainer uses: it updates in place without moving version counters
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3, fused=accumulate_grads or None) for m in (graphed, eager)]
     tol = 2e-2 if device.type == "cuda" else cpu_tol
     for step in range(steps):
         losses = []
@@ -98,6 +104,8 @@ def _train(graphed, eager, device, steps, micro_batches, cpu_tol=1e-6):
             losses.append(total)
             if model is graphed:
                 grads = [p.grad.clone() for p in model.parameters()]
+                if accumulate_grads:
+                    assert all(w.grad is b for w, b in zip(main.weights, main.buffers)), ".grad is not main_grad"
             else:
                 for (name, p), g in zip(model.named_parameters(), grads):
                     assert_grad_close(g, p.grad, f"step {step}: grad of {name}", tol=tol)
@@ -229,6 +237,18 @@ def test_graphed_gpt_with_overlap_trains_like_the_eager_gpt(ranks):
 
 
 @pytest.mark.cpu_ranks
+@pytest.mark.parametrize("tp,overlap_on", [(2, False), (2, True), (4, True)])
+def test_graphed_gpt_adding_weight_gradients_in_the_gemms_trains_like_the_eager_gpt(ranks, tp, overlap_on):
+    # the eager twin overlaps too where the graphed one does: the same sums in the same order
+    ranks(tp).run(train_body, tp, True, 3, 3, overlap_on, "auto", False, overlap_on, True)
+
+
+def test_graphed_gpt_adding_weight_gradients_in_the_gemms_on_one_rank_trains_like_the_eager_gpt():
+    graphed, eager = twins(config(False), torch.device("cpu"))
+    _train(graphed, eager, torch.device("cpu"), 2, 2, accumulate_grads=True)
+
+
+@pytest.mark.cpu_ranks
 def test_graphed_gpt_holds_weight_gradients_for_the_output_projection_and_trains_like_the_eager_gpt(ranks):
     ranks(4).run(overlap_held_body, 4)
 
@@ -310,6 +330,48 @@ def test_graphed_blocks_under_autocast_give_the_eager_gradients_bit_for_bit(fp8)
         assert torch.equal(eager, graphed)
 
 
+def test_accumulating_graphed_blocks_cast_the_weights_once_per_step_and_match_eager_bit_for_bit():
+    """With accumulate_grads under bf16 autocast, two fused AdamW steps (which update the weights in place
+    without moving their version counters) of two micro-batches each: the weights
+    are cast once per change (at capture, then before the first forward replay after the step;
+    never inside a micro-batch's graph), the
+    weight gradients are added into main_grad by the GEMMs, and loss and gradients are the eager
+    model's bits."""
+    from tpflash.layers import weight_casts
+    fills, real_fill = [], weight_casts.PendingCast.fill
+    weight_casts.PendingCast.fill = lambda cast, again=False: fills.append(again) or real_fill(cast, again)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    results = []
+    try:
+        for graphed in (False, True):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig.preset("llama-tiny", vocab_size=VOCAB, block_size=16, n_layer=2, n_embd=32,
+                                         n_head=4, n_kv_head=2, ffn_hidden=64))
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+            if graphed:
+                with autocast:
+                    model.capture_cuda_graphs(BATCH, SEQ, accumulate_grads=True)
+            run = []
+            for step in range(2):
+                fills.clear()
+                for mb in range(2):
+                    with autocast:
+                        loss = model(*batch(10 * step + mb, "cpu"))
+                    loss.backward()
+                    run.append(loss.detach())
+                if graphed:  # the capture cast the first step's weights; the AdamW step changed them
+                    expected = [] if step == 0 else [True] * len(model.blocks)
+                    assert fills == expected, f"casts issued in step {step}: {fills}"
+                run += [p.grad.clone() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            results.append(run)
+    finally:
+        weight_casts.PendingCast.fill = real_fill
+    for i, (eager, graphed) in enumerate(zip(*results)):
+        assert torch.equal(eager, graphed), f"graphed and eager differ at result {i}"
+
+
 def test_capture_rejects_parameters_that_are_not_plain_tensors():
     model = GPT(config(False))
     up = model.blocks[1].mlp.up_proj
@@ -345,6 +407,19 @@ def test_cuda_graphed_gpt_trains_like_the_eager_gpt_over_nccl(ranks, sequence_pa
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     ranks(2).run(train_body, 2, sequence_parallel, 3, 2, overlap_on, comm_backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_cuda_graphed_gpt_adding_weight_gradients_in_the_gemms_trains_like_the_eager_gpt(ranks, tp):
+    """The CPU twins: test_graphed_gpt_adding_weight_gradients_in_the_gemms_*; here cuBLAS adds in the
+    GEMMs' epilogue, over NCCL and the copy engines (the library's default overlap above one rank)."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    if tp == 1:
+        train_body(1, False, 3, 3, accumulate_grads=True)
+    else:
+        ranks(tp).run(train_body, tp, True, 3, 3, None, "auto", False, True, True)
 
 
 def held_gemms_body(tp, overlap_on):

@@ -127,7 +127,8 @@ def gpt_losses_body(cfg):
     """Like losses_body with tpflash's own GPT; also says whether its blocks were graphed."""
     trainer = Trainer(cfg)
     curve = [trainer._dp_mean(trainer.train_step()["loss"]) for _ in range(3)]
-    return curve, trainer.cuda_graphs
+    graphed = trainer.model._graphed_blocks
+    return curve, trainer.cuda_graphs, graphed is not None and graphed.main_grads is not None
 
 
 def _gpt_config(corpus, cuda_graphs):
@@ -140,9 +141,11 @@ def test_cuda_graphs_on_trains_like_off(ranks, corpus, world):
     # on CPU the graphs are the eager stand-in: this checks the trainer's capture (after resume,
     # under its autocast, at the micro-batch shape), its accumulation over micro-batches, and at dp=2
     # (fsdp=auto replicates this model) the gradients' all-reduce over dp between replays
-    on, graphed = ranks(world).run(gpt_losses_body, _gpt_config(corpus, "on"))[0]
-    off, plain = ranks(world).run(gpt_losses_body, _gpt_config(corpus, "off"))[0]
+    # (2 micro-batches a step: at dp=1 the weight-gradient GEMMs add into main_grad; not under DDP)
+    on, graphed, adds_in_gemms = ranks(world).run(gpt_losses_body, _gpt_config(corpus, "on"))[0]
+    off, plain, _ = ranks(world).run(gpt_losses_body, _gpt_config(corpus, "off"))[0]
     assert graphed and not plain
+    assert adds_in_gemms == (world == 2), "main_grad accumulation must be on at dp=1 and off under DDP"
     assert_close(torch.tensor(on), torch.tensor(off), "loss curve with cuda_graphs=on", tol=1e-6)
 
 

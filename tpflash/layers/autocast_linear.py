@@ -23,6 +23,7 @@ from ..kernels import column_sum, concat_with_column_sum
 from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
 from .fp8_linear import Fp8Amaxes, fp8_linears
+from .main_grads import main_grad_of
 from .weight_casts import stacked_cast
 
 
@@ -37,6 +38,7 @@ class _StackedLinear(torch.autograd.Function):
         weights, biases = params[:n], params[n:]
         ctx.x_dtype, ctx.sizes = x.dtype, [w.shape[0] for w in weights]
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+        ctx.main_grad = main_grad_of(weights)  # where the weight gradient is added (tpflash.layers.main_grads)
         with torch.autocast(x.device.type, enabled=False):
             x_c, w_c = x.to(dtype), stacked_cast(weights, dtype)  # w_c [sum out, in]
             b_c = None if biases[0] is None else stacked_cast(biases, dtype)
@@ -62,7 +64,9 @@ class _StackedLinear(torch.autograd.Function):
             grad_x = (grad_y @ w_c).to(ctx.x_dtype)  # [*, in]
         if any(ctx.needs_input_grad[3:3 + n]):
             x2d = x_c.reshape(-1, x_c.shape[-1])
-            if all(dt == w_c.dtype for dt in ctx.param_dtypes[:n]):  # e.g. FSDP's bf16 weights: no fp32 pass to cast
+            if ctx.main_grad is not None:  # added into the weights' main_grad; none returned
+                weight_grad_fp32(rows, x2d, into=ctx.main_grad)
+            elif all(dt == w_c.dtype for dt in ctx.param_dtypes[:n]):  # e.g. FSDP's bf16 weights: no fp32 pass to cast
                 grads[:n] = torch.mm(rows.t(), x2d).split(ctx.sizes)  # fp32 accumulation, rounded once, as the cast
             else:
                 grads[:n] = weight_grad_fp32(rows, x2d).split(ctx.sizes)
@@ -92,9 +96,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if fp8 != "off":
         return fp8_linears(x, [weight], [bias], fp8, amaxes=fp8_amaxes)[0]
     dtype = _compute_dtype(x, [weight])
-    if dtype is None:
+    if dtype is None and main_grad_of([weight]) is None:
         return F.linear(x, weight, bias)
-    return _StackedLinear.apply(x, dtype, 1, weight, bias)[0]
+    # also outside autocast where the weight has a main_grad: its gradient GEMM adds into it
+    return _StackedLinear.apply(x, dtype or x.dtype, 1, weight, bias)[0]
 
 
 def linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],

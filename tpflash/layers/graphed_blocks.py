@@ -33,7 +33,11 @@ What a replay assumes, checked where it can be:
 - the stack's outputs and gradients live in the graphs' memory: a tensor kept from one replay is
   overwritten by the next. Parameter gradients are the exception made safe: a `.grad` still
   holding graph memory when a forward replays (gradient accumulation) is copied out first, once
-  per extra micro-batch; `zero_grad(set_to_none=True)` between steps avoids even that.
+  per extra micro-batch; `zero_grad(set_to_none=True)` between steps avoids even that. Where the
+  caller says micro-batches accumulate (`accumulate_grads`), nothing is copied: the weight-gradient
+  GEMMs add into fp32 buffers of the weights' own (tpflash.layers.main_grads), which are their
+  .grad, and the weights are cast to the compute dtype once per change of their values (before a
+  forward replay, eagerly), not in every micro-batch's forward graph.
 
 On CPU the same class runs with an eager stand-in for the graph (`replay()` reruns the captured
 function into the same Python slots): no speed-up, but every line of the plumbing around the
@@ -42,14 +46,17 @@ replays (static inputs, the autograd Function, gradient accumulation) runs in CI
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..parallel import comm, overlap, peer_collectives
 from ..parallel.held_work import holding_gradients
 from . import weight_casts
+from .main_grads import MainGrads
 
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
 
@@ -140,10 +147,13 @@ class GraphedBlocks:
     tpflash.parallel.zero_graphs.GraphSync whose dp reduce-scatters and all-gathers the graphs
     overlap with the blocks (fsdp=zero1), or a tpflash.parallel.zero3.GraphSync (fsdp=zero3: the
     replays differentiate its gathered weights' leaves); its gradients are then written in place,
-    not returned.
+    not returned. `accumulate_grads`: several forwards and backwards run per optimizer step (gradient
+    accumulation): without dp_sync or gradient hooks the weights' gradients are then added into their
+    main_grad buffers by the GEMMs, and the weight casts leave the forward graph (module docstring).
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], sample_x: torch.Tensor, dp_sync=None):
+    def __init__(self, blocks: Sequence[nn.Module], sample_x: torch.Tensor, dp_sync=None,
+                 accumulate_grads: bool = False):
         if not blocks:
             raise ValueError("GraphedBlocks needs at least one block")
         if not torch.is_grad_enabled():
@@ -166,6 +176,13 @@ class GraphedBlocks:
         self.held = [] if hooked else [b.held_work for b in self.blocks
                                        if getattr(b, "held_work", None) is not None]
         self.returned = tuple(id(p) not in taken for p in self.params)
+        self.main_grads = self._main_grads() if accumulate_grads and not hooked else None
+        # accumulating, the weights change only between optimizer steps: cast once per change, outside the graphs
+        self.hoisted_casts = self._pending_casts(sample_x) if accumulate_grads and dp_sync is None else None
+        self._cast_versions: Optional[List[int]] = None  # the cast weights' version counters when last cast
+        self._step_hook = None
+        if self.hoisted_casts is not None:  # torch's fused AdamW updates in place without bumping versions
+            self._step_hook = _cast_again_after_optimizer_steps(self)
         self.autocast_state = _autocast_state(device.type)
         self.training = self.blocks[0].training
         self.key = (tuple(sample_x.shape), sample_x.dtype, device)
@@ -179,6 +196,8 @@ class GraphedBlocks:
         with overlap.overlapping_for_capture(self.blocks, decision) as overlapped:
             self.overlapped = overlapped
             self._capture(device)
+        if self.main_grads is not None:  # the weights whose layers added into main_grad returned nothing
+            self.main_grads.keep_only([p for p, g in zip(self.params, self.input_grads[1:]) if g is None])
         if device.type == "cuda":
             torch.cuda.synchronize()
             # The captured autograd graph is spent (its replays need only the static tensors), and
@@ -186,6 +205,7 @@ class GraphedBlocks:
             self.outputs = tuple(o.detach() for o in self.outputs)
 
     def _capture(self, device: torch.device) -> None:
+        self._refresh_casts()
         if device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()
             self.fwd_graph, self.bwd_graph = _CudaGraph(pool), _CudaGraph(pool)
@@ -205,13 +225,14 @@ class GraphedBlocks:
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         residual = None
         if self.dp_sync is None:
-            casts = self._pending_casts(x)
+            hoisted = self.hoisted_casts is not None  # filled before the replay (_refresh_casts)
+            casts = self.hoisted_casts if hoisted else self._pending_casts(x)
             with self._one_grad_bucket(), weight_casts.open_casts(casts, weight_casts.compute_dtype(x)):
                 for i, block in enumerate(self.blocks):
-                    if casts[i] is not None:
+                    if casts[i] is not None and not hoisted:
                         casts[i].fill()  # a no-op where the previous block's output projection issued it
                     held = getattr(block, "held_work", None)
-                    if held is not None and i + 1 < len(casts) and casts[i + 1] is not None:
+                    if held is not None and i + 1 < len(casts) and casts[i + 1] is not None and not hoisted:
                         held.hold(casts[i + 1].fill)  # the next block's casts, in this block's waits
                     x, residual = block(x, residual)
                     if held is not None:
@@ -248,6 +269,29 @@ class GraphedBlocks:
             return [None] * len(self.blocks)
         return [weight_casts.prepare_cast(b.weight_cast_groups(), dtype) for b in self.blocks]
 
+    def _refresh_casts(self) -> None:
+        """Cast the weights again (hoisted casts only) where they may have changed since the last cast:
+        after any torch optimizer's step (a hook forgets the versions), or where an in-place write
+        (a load, an unfused optimizer) moved a version counter."""
+        if self.hoisted_casts is None:
+            return
+        versions = [t._version for cast in self.hoisted_casts if cast is not None for t in cast.tensors]
+        if versions != self._cast_versions:
+            for cast in self.hoisted_casts:
+                if cast is not None:
+                    cast.fill(again=True)
+            self._cast_versions = versions
+
+    def _main_grads(self) -> Optional[MainGrads]:
+        """main_grad buffers for the blocks' fp32 weights, the weights each layer stacks side by side
+        (the blocks' weight_cast_groups give the stacking), or None where there are none."""
+        groups = [g for b in self.blocks if hasattr(b, "weight_cast_groups") for g in b.weight_cast_groups()]
+        main = MainGrads(groups + [(p,) for p in self.params])
+        return main if main.weights else None
+
+    def _main_grads_open(self):
+        return self.main_grads.open() if self.main_grads is not None else contextlib.nullcontext()
+
     def _weight_cast(self, blocks: Sequence[nn.Module], x: torch.Tensor):
         """One weight_casts.cast_once for `blocks`' weights (a block's, once dp_sync has gathered them): a
         few multi-tensor copy kernels instead of one small cast kernel per weight."""
@@ -257,11 +301,12 @@ class GraphedBlocks:
         return weight_casts.cast_once(groups, weight_casts.compute_dtype(x))
 
     def _forward(self) -> None:
-        self.outputs = self._run_blocks(self.static_x)
+        with self._main_grads_open():  # the layers take their weights' main_grad here (forward)
+            self.outputs = self._run_blocks(self.static_x)
 
     def _backward(self) -> None:
         with self.dp_sync.gradient_hooks() if self.dp_sync is not None else contextlib.nullcontext():
-            with holding_gradients(self.held):
+            with holding_gradients(self.held), self._main_grads_open():
                 self.input_grads = self._differentiate(self.outputs, self.static_grad_out)
 
     def _differentiate(self, outputs, grads) -> Tuple[Optional[torch.Tensor], ...]:
@@ -283,10 +328,10 @@ class GraphedBlocks:
         stream.wait_stream(torch.cuda.current_stream())
         device_type = self.static_x.device.type
         with torch.cuda.stream(stream):
-            for _ in range(WARMUP_ITERS):
-                with _autocast(device_type, self.autocast_state):
+            for _ in range(WARMUP_ITERS):  # main_grad buffers take garbage here: start() resets them
+                with _autocast(device_type, self.autocast_state), self._main_grads_open():
                     outs = self._run_blocks(self.static_x)
-                with _autocast(device_type, NO_AUTOCAST), holding_gradients(self.held):
+                with _autocast(device_type, NO_AUTOCAST), holding_gradients(self.held), self._main_grads_open():
                     self._differentiate(outs, [torch.ones_like(o) for o in outs])
             del outs
         torch.cuda.synchronize()
@@ -304,6 +349,9 @@ class GraphedBlocks:
             if graph is not None:
                 graph.release()
         self.fwd_graph = self.bwd_graph = None
+        if getattr(self, "_step_hook", None) is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def matches(self, x: torch.Tensor) -> bool:
         """Whether a replay computes what the eager blocks would for this input, here and now."""
@@ -325,6 +373,7 @@ class GraphedBlocks:
         if x.data_ptr() != self.static_x.data_ptr():
             self.static_x.copy_(x)
         self._unalias_accumulated_grads()
+        self._refresh_casts()
         self.fwd_graph.replay()
         self.forward_generation += 1
         return self.forward_generation
@@ -340,6 +389,8 @@ class GraphedBlocks:
                 static.zero_()
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
+        if self.main_grads is not None:  # each weight's .grad is its main_grad, holding what .grad held
+            self.main_grads.start()
         self.bwd_graph.replay()
         if self.dp_sync is not None:
             self.dp_sync.backward_replayed()
@@ -362,6 +413,21 @@ class GraphedBlocks:
         for p, g, returned in zip(self.params, self.input_grads[1:], self.returned):
             if returned and p.grad is not None and g is not None and p.grad.data_ptr() == g.data_ptr():
                 p.grad = p.grad.clone()
+
+
+def _cast_again_after_optimizer_steps(graphed: GraphedBlocks):
+    """A hook after every torch optimizer's step that makes `graphed` cast its weights again before its
+    next forward (a weak reference: the hook does not keep it alive, and goes with it)."""
+    ref = weakref.ref(graphed)
+
+    def forget_versions(optimizer, args, kwargs) -> None:
+        me = ref()
+        if me is not None:
+            me._cast_versions = None
+
+    handle = register_optimizer_step_post_hook(forget_versions)
+    weakref.finalize(graphed, handle.remove)
+    return handle
 
 
 class _ReplayBlocks(torch.autograd.Function):

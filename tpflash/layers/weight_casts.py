@@ -45,8 +45,10 @@ class PendingCast:
     def __init__(self, cache: Dict[tuple, torch.Tensor], views: List[torch.Tensor], tensors: List[torch.Tensor]):
         self.cache, self.views, self.tensors, self.filled = cache, views, tensors, False
 
-    def fill(self) -> None:
-        if not self.filled:
+    def fill(self, again: bool = False) -> None:
+        """Issue the copy, unless it was issued already (again=True: issue it anyway, e.g. after the
+        tensors changed)."""
+        if again or not self.filled:
             with torch.no_grad():
                 torch._foreach_copy_(self.views, self.tensors)
             self.filled = True

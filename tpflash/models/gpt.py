@@ -233,7 +233,7 @@ class GPT(nn.Module):
                 x, residual = block(x, residual, **block_kw)
         return self.final_norm(x, residual=residual)[0]
 
-    def capture_cuda_graphs(self, batch_size: int, seq_len: int, dp_sync=None) -> None:
+    def capture_cuda_graphs(self, batch_size: int, seq_len: int, dp_sync=None, accumulate_grads: bool = False) -> None:
         """Capture the blocks' forward and backward as CUDA graphs (tpflash.layers.graphed_blocks).
 
         Later training forwards of [batch_size, seq_len] ids with grad mode on, under the autocast
@@ -247,6 +247,9 @@ class GPT(nn.Module):
         `dp_sync`: a tpflash.parallel.zero_graphs.GraphSync for these blocks (fsdp=zero1), whose
         gradient reduce-scatters and weight all-gathers the graphs then overlap with the blocks, or
         a tpflash.parallel.zero3.GraphSync (fsdp=zero3, ShardedBlocks.graph_sync()).
+        `accumulate_grads`: gradients accumulate over several micro-batches per optimizer step; the
+        blocks' weight-gradient GEMMs then add into fp32 buffers that are the weights' .grad, and the
+        weights are cast once per update (GraphedBlocks). Not with DDP, whose hooks must see each gradient.
         """
         from ..layers.graphed_blocks import GraphedBlocks, check_graphable
         if self.cp_group is not None:
@@ -261,7 +264,7 @@ class GPT(nn.Module):
             sample = self.embed(idx)  # [seq(/tp), batch, hidden]
         history = self._amax_history()
         with contextlib.nullcontext() if history is None else history.capture():
-            self._graphed_blocks = GraphedBlocks(self.blocks, sample, dp_sync=dp_sync)
+            self._graphed_blocks = GraphedBlocks(self.blocks, sample, dp_sync=dp_sync, accumulate_grads=accumulate_grads)
 
     def release_cuda_graphs(self) -> None:
         """Destroy the captured graphs (and their memory pool); forwards run eagerly again. Call it

@@ -57,6 +57,7 @@ import torch.nn as nn
 from ..kernels import column_sum, concat_with_column_sum
 from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
+from ..layers.main_grads import main_grad_of, split_or_none
 from ..layers.weight_casts import stacked_cast
 from . import comm, peer_collectives
 from .held_work import HeldWork
@@ -247,45 +248,60 @@ def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: to
 
 
 def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor,
-                          held: Optional[HeldWork] = None) -> torch.Tensor:
+                          held: Optional[HeldWork] = None,
+                          main_grad: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """A row layer's two backward GEMMs over an all-gathered grad_y: grad_h[rows of r] = piece(r) @ w,
-    rank by rank as the pieces arrive, then the fp32 weight gradient grad_y^T h. The GEMMs `held`
-    back from an earlier layer run after this rank's rows, while the peers' rows travel."""
+    rank by rank as the pieces arrive, then the fp32 weight gradient grad_y^T h (added into `main_grad`
+    where given: None returned). The GEMMs `held` back from an earlier layer run after this rank's
+    rows, while the peers' rows travel."""
     m = grad_h.shape[0] // len(gather.order())
     for i, r in enumerate(gather.order()):
         torch.mm(gather.piece(r), w, out=grad_h[r * m:(r + 1) * m])
         if i == 0 and held is not None:
             held.run()
-    return _weight_grad_with_gathered(gather, h, gathered_is_grad=True)
+    return _weight_grad_with_gathered(gather, h, gathered_is_grad=True, main_grad=main_grad)
 
 
 def _weight_grad_now_or_held(held: Optional[HeldWork], grad_y: torch.Tensor, x: torch.Tensor,
-                             weight_dtypes: Sequence[torch.dtype]) -> torch.Tensor:
+                             weight_dtypes: Sequence[torch.dtype],
+                             main_grad: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The fp32 weight gradient grad_y^T x (grad_y [rows, out], x [rows, in]): computed now, or, where
     `held` allows it, an unfilled [out, in] tensor that the held GEMM writes before anything reads it
     (tpflash.parallel.held_work). Held only where every weight it feeds is fp32: the
-    gradient then reaches them without a cast that would read it early."""
-    if held is None or not held.holds_gradients or any(dt != torch.float32 for dt in weight_dtypes):
+    gradient then reaches them without a cast that would read it early. With `main_grad` the GEMM adds
+    into it (now or held) and None is returned."""
+    may_hold = held is not None and held.holds_gradients and all(dt == torch.float32 for dt in weight_dtypes)
+    if main_grad is not None:
+        if may_hold:
+            held.hold(lambda: weight_grad_fp32(grad_y, x, into=main_grad))
+        else:
+            weight_grad_fp32(grad_y, x, into=main_grad)
+        return None
+    if not may_hold:
         return weight_grad_fp32(grad_y, x)
     grad_w = torch.empty((grad_y.shape[1], x.shape[1]), dtype=torch.float32, device=grad_y.device)
     held.hold(lambda: weight_grad_fp32(grad_y, x, out=grad_w))
     return grad_w
 
 
-def _weight_grad_with_gathered(gather, other: torch.Tensor, gathered_is_grad: bool) -> torch.Tensor:
+def _weight_grad_with_gathered(gather, other: torch.Tensor, gathered_is_grad: bool,
+                               main_grad: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The fp32 weight gradient grad^T x where one of grad, x is the all-gathered tensor and `other`
     [world*m, *] the other: one GEMM over every rank's rows where the gather gives them as one tensor
-    (a GEMM as long as tp=1's), else summed rank by rank over the pieces."""
+    (a GEMM as long as tp=1's), else summed rank by rank over the pieces; added into `main_grad` where
+    given (None returned)."""
     whole = gather.whole()
     if whole is not None:
-        return weight_grad_fp32(whole, other) if gathered_is_grad else weight_grad_fp32(other, whole)
+        grad, x = (whole, other) if gathered_is_grad else (other, whole)
+        grad_w = weight_grad_fp32(grad, x, into=main_grad)
+        return None if main_grad is not None else grad_w
     m = other.shape[0] // len(gather.order())
-    grad_w = None
+    grad_w = main_grad
     for r in gather.order():
         mine, piece = other[r * m:(r + 1) * m], gather.piece(r)
-        grad_w = weight_grad_fp32(piece, mine, into=grad_w) if gathered_is_grad else \
-            weight_grad_fp32(mine, piece, into=grad_w)
-    return grad_w
+        grad, x = (piece, mine) if gathered_is_grad else (mine, piece)
+        grad_w = weight_grad_fp32(grad, x, into=grad_w)
+    return None if main_grad is not None else grad_w
 
 
 def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None,
@@ -343,6 +359,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         ctx.group, ctx.x_dtype, ctx.local_shape, ctx.held = group, x_local.dtype, x_local.shape, held
         ctx.sizes, ctx.save_gathered = [w.shape[0] for w in weights], save_gathered
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+        ctx.main_grad = main_grad_of(weights)  # where the weight gradient is added (tpflash.layers.main_grads)
         rows = _rows(x_local.to(dtype))  # [s/tp*b, in]
         world = dist.get_world_size(group)
         with _no_autocast(rows):
@@ -374,10 +391,10 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False, whole=True)
             pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
             if gather is None:  # ... the weight gradient is computed (or held for a later layer's waits)
-                grad_w = _weight_grad_now_or_held(ctx.held, grad_y, x_saved, ctx.param_dtypes[:n])
+                grad_w = _weight_grad_now_or_held(ctx.held, grad_y, x_saved, ctx.param_dtypes[:n], ctx.main_grad)
             else:
-                grad_w = _weight_grad_with_gathered(gather, grad_y, gathered_is_grad=False)
-            grad_w = grad_w.split(ctx.sizes)
+                grad_w = _weight_grad_with_gathered(gather, grad_y, gathered_is_grad=False, main_grad=ctx.main_grad)
+            grad_w = split_or_none(ctx.main_grad, grad_w, ctx.sizes)
             if has_bias:
                 grad_b = (column_sum(grad_y) if bias_sums is None else bias_sums).split(ctx.sizes)
             else:
@@ -397,6 +414,7 @@ class _RowLinearOverPeers(torch.autograd.Function):
     def forward(ctx, h, weight, bias, group, held):
         dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes, ctx.held = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype), held
+        ctx.main_grad = main_grad_of([weight])  # where the weight gradient is added (tpflash.layers.main_grads)
         h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
         with _no_autocast(h):
             b_c = None if bias is None else stacked_cast([bias], dtype)
@@ -411,10 +429,11 @@ class _RowLinearOverPeers(torch.autograd.Function):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
             gather = _all_gather(grad_rows, ctx.group, keep=False, whole=True)
             grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
-            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held)  # [out, in/tp]
+            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held, ctx.main_grad)  # [out, in/tp]
             grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
             gather.finish()
-        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), grad_b, None, None
+        grad_w = None if grad_w is None else grad_w.to(ctx.dtypes[1])
+        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w, grad_b, None, None
 
 
 # ---- entry points ----------------------------------------------------------------------------------

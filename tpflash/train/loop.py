@@ -106,7 +106,13 @@ class Trainer:
                 indices = self.sampler.rank_slice(self.plan.batch_size, self.ps.dp_rank, self.ps.dp_size)
                 x, y, kwargs = self._micro_batch(self.train_data, indices[:self.plan.micro])
                 self.model.prime_fp8_scaling(x, y, **kwargs)
-            self.model.capture_cuda_graphs(self.plan.micro, self.seq_len, **({"dp_sync": sync} if sync else {}))
+            # accumulating micro-batches, the weight-gradient GEMMs add into the gradients; not under DDP
+            # (set up after this), whose hooks must see each gradient, nor zero1, whose gradients are views
+            # of its own flat buffers
+            replicated = self.dp_mode == "off" and self.ps.dp_cp_size > 1
+            accumulate = self.plan.grad_accum > 1 and not replicated and self.zero is None
+            self.model.capture_cuda_graphs(self.plan.micro, self.seq_len, accumulate_grads=accumulate,
+                                           **({"dp_sync": sync} if sync else {}))
         if sync is not None:
             self.zero.use_graph_sync(sync)
 
