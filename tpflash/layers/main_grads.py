@@ -98,9 +98,9 @@ def main_grad_of(weights: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     return first.as_strided((rows,) + tuple(first.shape[1:]), first.stride())
 
 
-def split_or_none(main_grad: Optional[torch.Tensor], grad_w: Optional[torch.Tensor], sizes: Sequence[int]
+def split_or_none(main_grad: Optional[torch.Tensor], grad_w: torch.Tensor, sizes: Sequence[int]
                   ) -> Tuple[Optional[torch.Tensor], ...]:
     """A stacked weight gradient's per-weight parts for autograd: none where it went into `main_grad`."""
-    if main_grad is not None or grad_w is None:
+    if main_grad is not None:
         return (None,) * len(sizes)
     return tuple(grad_w.split(list(sizes)))

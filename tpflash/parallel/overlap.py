@@ -249,11 +249,11 @@ def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: to
 
 def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor,
                           held: Optional[HeldWork] = None,
-                          main_grad: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                          main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A row layer's two backward GEMMs over an all-gathered grad_y: grad_h[rows of r] = piece(r) @ w,
     rank by rank as the pieces arrive, then the fp32 weight gradient grad_y^T h (added into `main_grad`
-    where given: None returned). The GEMMs `held` back from an earlier layer run after this rank's
-    rows, while the peers' rows travel."""
+    where given, which is then what is returned). The GEMMs `held` back from an earlier layer run
+    after this rank's rows, while the peers' rows travel."""
     m = grad_h.shape[0] // len(gather.order())
     for i, r in enumerate(gather.order()):
         torch.mm(gather.piece(r), w, out=grad_h[r * m:(r + 1) * m])
@@ -264,44 +264,39 @@ def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torc
 
 def _weight_grad_now_or_held(held: Optional[HeldWork], grad_y: torch.Tensor, x: torch.Tensor,
                              weight_dtypes: Sequence[torch.dtype],
-                             main_grad: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                             main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 weight gradient grad_y^T x (grad_y [rows, out], x [rows, in]): computed now, or, where
     `held` allows it, an unfilled [out, in] tensor that the held GEMM writes before anything reads it
     (tpflash.parallel.held_work). Held only where every weight it feeds is fp32: the
     gradient then reaches them without a cast that would read it early. With `main_grad` the GEMM adds
-    into it (now or held) and None is returned."""
-    may_hold = held is not None and held.holds_gradients and all(dt == torch.float32 for dt in weight_dtypes)
+    into it (now or held), and main_grad is returned."""
+    if held is None or not held.holds_gradients or any(dt != torch.float32 for dt in weight_dtypes):
+        return weight_grad_fp32(grad_y, x, into=main_grad)
     if main_grad is not None:
-        if may_hold:
-            held.hold(lambda: weight_grad_fp32(grad_y, x, into=main_grad))
-        else:
-            weight_grad_fp32(grad_y, x, into=main_grad)
-        return None
-    if not may_hold:
-        return weight_grad_fp32(grad_y, x)
+        held.hold(lambda: weight_grad_fp32(grad_y, x, into=main_grad))
+        return main_grad
     grad_w = torch.empty((grad_y.shape[1], x.shape[1]), dtype=torch.float32, device=grad_y.device)
     held.hold(lambda: weight_grad_fp32(grad_y, x, out=grad_w))
     return grad_w
 
 
 def _weight_grad_with_gathered(gather, other: torch.Tensor, gathered_is_grad: bool,
-                               main_grad: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                               main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 weight gradient grad^T x where one of grad, x is the all-gathered tensor and `other`
     [world*m, *] the other: one GEMM over every rank's rows where the gather gives them as one tensor
     (a GEMM as long as tp=1's), else summed rank by rank over the pieces; added into `main_grad` where
-    given (None returned)."""
+    given (and that returned)."""
     whole = gather.whole()
     if whole is not None:
         grad, x = (whole, other) if gathered_is_grad else (other, whole)
-        grad_w = weight_grad_fp32(grad, x, into=main_grad)
-        return None if main_grad is not None else grad_w
+        return weight_grad_fp32(grad, x, into=main_grad)
     m = other.shape[0] // len(gather.order())
     grad_w = main_grad
     for r in gather.order():
         mine, piece = other[r * m:(r + 1) * m], gather.piece(r)
         grad, x = (piece, mine) if gathered_is_grad else (mine, piece)
         grad_w = weight_grad_fp32(grad, x, into=grad_w)
-    return None if main_grad is not None else grad_w
+    return grad_w
 
 
 def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None,
@@ -432,7 +427,7 @@ class _RowLinearOverPeers(torch.autograd.Function):
             grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held, ctx.main_grad)  # [out, in/tp]
             grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
             gather.finish()
-        grad_w = None if grad_w is None else grad_w.to(ctx.dtypes[1])
+        grad_w = None if ctx.main_grad is not None else grad_w.to(ctx.dtypes[1])  # main_grad: added there
         return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w, grad_b, None, None
 
 
