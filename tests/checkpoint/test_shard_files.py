@@ -92,6 +92,27 @@ def test_a_direct_write_the_filesystem_refuses_is_written_through_the_page_cache
     assert refused and (tmp_path / "shard").read_bytes() == b"".join(bytes(p) for p in PIECES)
 
 
+def test_a_write_refused_under_direct_io_is_retried_after_another_thread_turned_it_off(tmp_path, monkeypatch):
+    # two blocks' writes refused at once: the first clears O_DIRECT, the second must retry, not fail
+    if not shard_files._DIRECT:
+        pytest.skip("no O_DIRECT here")
+    real_pwrite, calls = os.pwrite, []
+
+    def refused_once(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 1:  # refused while O_DIRECT was on; the descriptor has none by the time it is checked
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(shard_files.os, "pwrite", refused_once)
+    fd = os.open(tmp_path / "shard", os.O_WRONLY | os.O_CREAT)
+    try:
+        shard_files._pwrite_all(fd, memoryview(b"abcd"), 0)
+    finally:
+        os.close(fd)
+    assert calls == [0, 0] and (tmp_path / "shard").read_bytes() == b"abcd"
+
+
 def test_a_failed_write_fails_the_file_at_close(tmp_path, monkeypatch):
     def disk_full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -51,13 +51,19 @@ def _open_for_writing(path: str, direct: bool) -> int:
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    retried = False
     while data.nbytes:
         try:
             written = os.pwrite(fd, data, offset)
         except OSError as e:  # a filesystem that opened with O_DIRECT but refuses the write: the page cache
-            if e.errno != errno.EINVAL or not (_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & _DIRECT):
+            if e.errno != errno.EINVAL or not _DIRECT or retried:
                 raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_DIRECT)
+            # once, whether the descriptor still has O_DIRECT or another block's write, refused alike,
+            # has just turned it off (the pool writes a file's blocks from several threads)
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if flags & _DIRECT:
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_DIRECT)
+            retried = True
             continue
         data, offset = data[written:], offset + written
 
