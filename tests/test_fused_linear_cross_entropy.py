@@ -103,9 +103,13 @@ def test_vocab_parallel_fused_linear_cross_entropy_matches_one_process(ranks, tp
     ranks(tp).run(vocab_parallel_body, tp, reduction, 29, False)  # 29 -> padded 30 / 32
 
 
-@pytest.mark.parametrize("tp", [2])
-def test_sequence_parallel_fused_linear_cross_entropy_matches_one_process(ranks, tp):
-    ranks(tp).run(vocab_parallel_body, tp, "mean", VOCAB, True)
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_sequence_parallel_fused_linear_cross_entropy_matches_one_process(ranks, tp, reduction):
+    """d hidden formed in the forward ("mean", "sum") is reduce-scattered there, beside the last
+    chunk's d weight GEMM, and scaled by the upstream gradient in the backward; "none" forms and
+    reduce-scatters it in the backward."""
+    ranks(tp).run(vocab_parallel_body, tp, reduction, VOCAB, True)
 
 
 def test_fused_linear_cross_entropy_rejects_a_mismatched_weight():

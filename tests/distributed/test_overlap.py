@@ -71,6 +71,38 @@ def row_on_off_body(tp):
     _same(on, off, f"row tp={tp}")
 
 
+def send_parts_body(tp):
+    """The first peer's rows of a reduce-scatter go in two GEMMs (two sends) where the inner dimension
+    is under CHUNK_BELOW_INNER, in one otherwise, like every other peer's; the results agree."""
+    ps = init_tp(tp)
+    torch.manual_seed(0)
+    layer = RowParallelLinear(IN, OUT, sequence_parallel=True, device=ps.device, dtype=torch.float32)
+    layer.overlap = True
+    h_local = _randn(ps, torch.float32, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
+    grad_y = _randn(ps, torch.float32, SEQ // tp, BATCH, OUT, seed=20 + ps.tp_rank)
+    make, threshold, sends = overlap._reduce_scatter, overlap.CHUNK_BELOW_INNER, []
+
+    def recording(*args):
+        pending = make(*args)
+        send = pending.send
+        pending.send = lambda r, part, row=0: sends.append(r) or send(r, part, row)
+        return pending
+
+    overlap._reduce_scatter = recording
+    results = {}
+    try:
+        for below in (IN // tp + 1, IN // tp):  # the inner dimension under, then at the threshold
+            overlap.CHUNK_BELOW_INNER, sends[:] = below, []
+            layer.zero_grad()
+            results[below] = _run(layer, h_local, grad_y)
+            first = (ps.tp_rank + 1) % tp
+            want = [first] * (2 if below > IN // tp else 1) + [(ps.tp_rank + s) % tp for s in range(2, tp)]
+            assert sends == want, f"CHUNK_BELOW_INNER={below}: parts sent to {sends}, expected {want}"
+    finally:
+        overlap._reduce_scatter, overlap.CHUNK_BELOW_INNER = make, threshold
+    _same(results[IN // tp], results[IN // tp + 1], f"row tp={tp}, one part per peer against two for the first")
+
+
 def multi_weight_body(tp, save_gathered_input):
     """all_gather_linear with q/k/v-like weights (one with no bias) against F.linear on the full input."""
     ps = init_tp(tp)
@@ -206,6 +238,11 @@ def test_column_overlap_matches_overlap_off(ranks, tp, save_gathered_input):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_row_overlap_matches_overlap_off(ranks, tp):
     ranks(tp).run(row_on_off_body, tp)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_first_peers_rows_are_sent_in_two_parts_only_below_the_inner_dimension_threshold(ranks, tp):
+    ranks(tp).run(send_parts_body, tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -7,6 +7,11 @@ d weight (3 GEMMs per chunk, as the unfused forward + backward) so the backward 
 them. For "none" the per-token upstream gradient is unknown in the forward, so the backward
 recomputes each chunk's logits (one extra GEMM).
 
+Under sequence parallelism hidden is gathered along the sequence first, and d hidden is
+reduce-scattered back. Where d hidden is formed in the forward, its reduce-scatter is issued there,
+as soon as the last chunk's d hidden GEMM is done, and travels beside that chunk's d weight GEMM:
+the backward then only scales this rank's part.
+
 The GEMMs run in autocast's dtype under autocast (else in hidden's dtype), on a copy of the weight
 cast inside, as F.linear's would; d weight is written in fp32 by the GEMMs and summed over the
 chunks in fp32 (tpflash.kernels.weight_grad_fp32), then returned in the weight's dtype: no bf16
@@ -37,20 +42,25 @@ def _chunks(n: int, size: int):
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """loss(hidden @ weight.T); hidden is `full`, or under sequence parallelism (`scatter` = (group,
+    seq_dim)) `full` is `local` gathered along seq_dim and d local is d full reduce-scattered."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, target, group, ignore_index, reduction, chunk_size, vocab_size,
-                label_smoothing, z_loss, needs_grad, dtype):
+    def forward(ctx, full, local, weight, target, group, ignore_index, reduction, chunk_size, vocab_size,
+                label_smoothing, z_loss, needs_grad, scatter):
+        hidden = full if local is None else local
         ctx.dtypes = (hidden.dtype, weight.dtype)
-        with torch.autocast(hidden.device.type, enabled=False):
-            h2, w = hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype)  # [N, H], [V/tp, H]
+        with torch.autocast(full.device.type, enabled=False):
+            h2, w = full.reshape(-1, full.shape[-1]), weight.to(full.dtype)  # [N, H], [V/tp, H]
             t = target.reshape(-1)  # [N]
             loss_args = (group, ignore_index, label_smoothing, z_loss, vocab_size)
-            losses = torch.empty(t.shape[0], device=hidden.device, dtype=torch.float32)
+            losses = torch.empty(t.shape[0], device=full.device, dtype=torch.float32)
             precompute = needs_grad and reduction != "none"
             if precompute:
                 count = (t != ignore_index).sum().clamp_min(1) if reduction == "mean" else None
                 grad_h, grad_w = torch.empty_like(h2), None  # grad_w: fp32 [V/tp, H], summed over chunks
-            for rows in _chunks(t.shape[0], chunk_size):
+            chunks, scattered = _chunks(t.shape[0], chunk_size), None
+            for i, rows in enumerate(chunks):
                 logits = h2[rows] @ w.t()  # [chunk, V/tp]
                 shard = ShardLoss(logits, t[rows], *loss_args)
                 losses[rows] = shard.loss
@@ -58,8 +68,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     row_scale = torch.ones_like(shard.loss) if count is None else torch.ones_like(shard.loss) / count
                     g = shard.logits_grad(logits, row_scale, out=logits)  # the logits buffer becomes the gradient
                     torch.matmul(g, w, out=grad_h[rows])
+                    if scatter is not None and i == len(chunks) - 1:  # d hidden is whole: it travels now
+                        scattered = comm.reduce_scatter_async(grad_h.view(full.shape), scatter[1], scatter[0])
                     grad_w = weight_grad_fp32(g, h2[rows], into=grad_w)
-        ctx.args = (loss_args, chunk_size, reduction, precompute, hidden.shape)
+            if precompute and scatter is not None:
+                grad_h = (scattered or comm.reduce_scatter_async(grad_h.view(full.shape), scatter[1],
+                                                                 scatter[0])).wait()  # [.., seq/tp, .., H]
+        ctx.args = (loss_args, chunk_size, reduction, precompute, hidden.shape, full.shape, scatter)
         if precompute:
             ctx.save_for_backward(grad_h, grad_w)
         elif needs_grad:
@@ -68,7 +83,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        loss_args, chunk_size, reduction, precompute, shape = ctx.args
+        loss_args, chunk_size, reduction, precompute, shape, full_shape, scatter = ctx.args
         h_dtype, w_dtype = ctx.dtypes
         if precompute:
             grad_h, grad_w = ctx.saved_tensors
@@ -84,7 +99,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     g = shard.logits_grad(logits, grad_out[rows], out=logits)
                     torch.matmul(g, w, out=grad_h[rows])
                     grad_w = weight_grad_fp32(g, h2[rows], into=grad_w)
-        return grad_h.reshape(shape).to(h_dtype), grad_w.to(w_dtype), *([None] * 10)
+            if scatter is not None:
+                grad_h = comm.reduce_scatter(grad_h.view(full_shape), scatter[1], scatter[0])
+        grad_h = grad_h.reshape(shape).to(h_dtype)
+        grads = (None, grad_h) if scatter is not None else (grad_h, None)
+        return *grads, grad_w.to(w_dtype), *([None] * 10)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
@@ -117,15 +136,18 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor,
         raise ValueError(f"weight_shard shape {tuple(weight_shard.shape)} must be [V/tp, hidden={hidden.shape[-1]}]")
     # cast before any gather: the collective then moves the compute dtype's bytes
     hidden = hidden.to(_compute_dtype(hidden))
-    if sequence_parallel:
-        hidden = comm.all_gather_along_seq(hidden, group, seq_dim)
+    scatter = (group, seq_dim) if sequence_parallel and tp > 1 else None
+    if scatter is not None:  # gathered here, outside autograd: the Function reduce-scatters d hidden itself
+        with torch.no_grad():
+            full = comm.all_gather(hidden, seq_dim, group)
+        local = hidden
     else:
-        hidden = comm.copy_to_tp_region(hidden, group)
-    if hidden.shape[:-1] != target.shape:
-        raise ValueError(f"hidden shape {tuple(hidden.shape)} (after any sequence gather) does not match target "
+        full, local = comm.copy_to_tp_region(hidden, group), None
+    if full.shape[:-1] != target.shape:
+        raise ValueError(f"hidden shape {tuple(full.shape)} (after any sequence gather) does not match target "
                          f"shape {tuple(target.shape)} (expected hidden [*, H] and target [*])")
     check_vocab(vocab_size, weight_shard.shape[0], tp, target, ignore_index)
-    return _FusedLinearCrossEntropy.apply(hidden, weight_shard, target, group, ignore_index, reduction, chunk_size,
+    requires_grad = hidden.requires_grad or weight_shard.requires_grad
+    return _FusedLinearCrossEntropy.apply(full, local, weight_shard, target, group, ignore_index, reduction, chunk_size,
                                           vocab_size, label_smoothing, z_loss,
-                                          torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad),
-                                          hidden.dtype)
+                                          torch.is_grad_enabled() and requires_grad, scatter)

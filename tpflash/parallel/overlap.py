@@ -310,7 +310,12 @@ def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[to
     return pending.finish(own)
 
 
-SEND_CHUNKS = 2  # GEMMs for the first peer's rows: its transfer starts after half of that GEMM
+SEND_CHUNKS = 2  # GEMMs for the first peer's rows where the GEMM is shorter than its transfer
+# Below this inner dimension a peer's rows take longer to travel than to multiply (a part moves at
+# ~340 GB/s on the copy engines, its GEMM runs at ~600 TFLOP/s bf16: even at k ~ 1800), so the first
+# transfer is started after half of its GEMM; above it, the GEMMs that follow hide every transfer and
+# a split GEMM only costs a launch and some efficiency (docs/overlap.md).
+CHUNK_BELOW_INNER = 2048
 
 
 def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None):
@@ -323,15 +328,16 @@ def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Te
 
 def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group):
     """(pending reduce-scatter of a @ w, this rank's rows of a): every peer's rows multiplied and sent,
-    the first peer's in SEND_CHUNKS GEMMs, so that the first transfer starts early, the others' in
     one GEMM each (fewer, larger GEMMs; the transfers queue behind each other on the side stream
-    anyway, the copy engines' bandwidth being shared by all peers). Chunking matters where the GEMM
-    is short next to its transfer (a small inner dimension, e.g. the attention's output projection)."""
+    anyway, the copy engines' bandwidth being shared by all peers), the first peer's in SEND_CHUNKS
+    GEMMs where the inner dimension is under CHUNK_BELOW_INNER (e.g. the attention's output
+    projection): there the GEMM is short next to its transfer, which then starts early."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     m = a.shape[0] // world
     pending = _reduce_scatter(group, (m, w.shape[1]), a)
+    first_chunks = SEND_CHUNKS if a.shape[1] < CHUNK_BELOW_INNER else 1
     for i, r in enumerate(_peers_first(rank, world)):
-        for rows in _chunks(m, SEND_CHUNKS if i == 0 else 1):
+        for rows in _chunks(m, first_chunks if i == 0 else 1):
             pending.send(r, a[r * m + rows.start:r * m + rows.stop] @ w, rows.start)
     return pending, a[rank * m:(rank + 1) * m]
 
