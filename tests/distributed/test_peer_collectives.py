@@ -85,6 +85,9 @@ def copy_engine_body(tp):
                 assert_close(got[1], want[1], f"reduce-scatter {shape}")
         for (got, want), shape in zip(kept, cases):  # the workspace's calls since did not touch them
             assert torch.equal(got, want), f"kept all-gather {shape}, step {step}"
+        # a peer's next kept gather pushes into this rank's buffers at once: every rank has read them
+        # first (in a model, the collectives between a layer's backward and its next forward see to it)
+        torch.distributed.barrier(ps.tp_group)
 
 
 @pytest.mark.gpu

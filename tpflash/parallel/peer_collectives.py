@@ -168,8 +168,9 @@ class PeerAllGather:
     where the slots lie end to end (no padding; else None). With `kept` (a buffer of this call's
     own, peer_workspace.kept_buffer, of world * x's bytes) the parts are pushed there instead, x is
     copied into this rank's slot, and `finish()` returns that buffer as the gathered [world*n, ...]
-    tensor: kept for a backward without a copy out of the shared workspace, valid until the next
-    gather into the same buffer.
+    tensor: kept for a backward without a copy out of the shared workspace, valid until any rank's
+    next gather into the same buffer, whose pushes start at once: the caller sees that every rank has
+    read it by then (in a model, the collectives between a layer's backward and its next forward).
     At most one other call on the group may be issued in between, and the parts must be used before
     it finishes (or, with `kept`, be read from the buffer).
     """
