@@ -113,7 +113,7 @@ def test_an_overlap_backend_other_than_the_copy_engines_raises(monkeypatch, back
         overlap._env_setting()
 
 
-def test_the_gathered_input_is_kept_for_the_backward_above_two_ranks_unless_the_layer_says():
+def test_the_gathered_input_is_kept_for_the_backward_unless_the_layer_says():
     from tpflash.parallel.overlap import keeps_gathered_input
-    assert [keeps_gathered_input(None, tp) for tp in (2, 4, 8)] == [False, True, True]
-    assert keeps_gathered_input(False, 4) is False and keeps_gathered_input(True, 2) is True
+    assert keeps_gathered_input(None) is True
+    assert keeps_gathered_input(False) is False and keeps_gathered_input(True) is True

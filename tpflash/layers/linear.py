@@ -134,7 +134,7 @@ class ColumnParallelLinear(nn.Module):
     state's tp group, else none (tp=1, a plain nn.Linear). overlap: True/False, or None (default)
     for TPFLASH_OVERLAP's setting, or a CUDA graph capture's decision (module docstring).
     save_gathered_input (overlapped path only): keep the all-gathered input for the backward (True),
-    or gather it again there (False); None (default): kept above two ranks
+    or gather it again there (False, 1/tp of the memory); None (default): kept
     (tpflash.parallel.overlap.keeps_gathered_input). fp8: "off", or "rowwise" / "tensorwise" for
     fp8 GEMMs (tpflash.layers.fp8_linear; no overlap pipelining).
     """

@@ -1,15 +1,16 @@
 """Work held back to fill the waits of a block's output projection.
 
-Above two ranks, under the overlapped sequence-parallel layers, the attention's output projection
-waits on the copy engines in both directions: in the forward its own GEMMs are done well before the
-last parts of its reduce-scatter arrive, and in the backward each peer's part of the gathered
-grad_y takes longer to arrive than the small GEMM that consumes it (docs/performance.md, "TP
+Under the overlapped sequence-parallel layers, the attention's output projection waits on the copy
+engines in both directions: in the forward its own GEMMs are done before the last parts of its
+reduce-scatter arrive, and in the backward each peer's part of the gathered grad_y takes longer to
+arrive than the small GEMM that consumes it (docs/performance.md, "TP
 efficiency"). A block's `HeldWork` collects work that does not depend on those transfers and is
 due later anyway, and the output projection runs it in the wait:
 
 - forward: the next block's weight casts (GraphedBlocks hands them over: weight_casts.PendingCast);
 - backward: the MLP's up-projection weight-gradient GEMM, whose backward runs just before and
-  returns that gradient unfilled instead (tpflash.parallel.overlap).
+  returns that gradient unfilled instead, over its kept input (tpflash.parallel.overlap); that
+  backward multiplies its own rows while its reduce-scatter's parts travel instead.
 
 Holding a gradient is sound only where nothing reads it before the GEMM fills it: inside the
 capture of a CUDA graph of the blocks (GraphedBlocks), which differentiates them with

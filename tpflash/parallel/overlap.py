@@ -11,16 +11,18 @@ is one GEMM over the weights stacked (q/k/v, up/gate) as in tpflash.layers.autoc
 
   column forward   ys = all_gather(x) @ [W_1; ..; W_n]^T   this rank's rows are multiplied while the
                    copy engines move the others; each peer's rows are multiplied once they are here
-                   (x kept for the backward above two ranks: inside a graph capture in a buffer
-                   of the layer's own, which the peers' rows are pushed into, nothing copied out)
+                   (x kept for the backward by default: inside a graph capture in a buffer of
+                   the layer's own, which the peers' rows are pushed into, nothing copied out)
   column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
                    sent first; the weight-gradient GEMM runs while they travel (one GEMM over x
                    gathered again beside the first GEMMs, unless x was kept; over a kept x, the
                    MLP's up projection may hold it for the output projection's backward instead:
-                   tpflash.parallel.held_work); this rank's rows last, their GEMM adding
-                   the parts received (two ranks: in its epilogue)
+                   tpflash.parallel.held_work, and this rank's rows are multiplied beside the
+                   transfers); this rank's rows last, their GEMM adding the parts received
+                   (two ranks: in its epilogue)
   row forward      y = reduce_scatter(h @ W^T) + b         the same sends (the first peer's rows in two
-                   GEMMs, so that its transfer starts early; the own rows' GEMM, which adds the
+                   GEMMs where the GEMM is shorter than its transfer, so that the transfer starts
+                   early; the own rows' GEMM, which adds the
                    bias, and any work held for this layer, tpflash.parallel.held_work, cover the
                    last transfers)
   row backward     grad_h = all_gather(grad_y) @ W,         as the column forward (GEMMs held back from an
@@ -262,6 +264,11 @@ def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torc
     return _weight_grad_with_gathered(gather, h, gathered_is_grad=True, main_grad=main_grad)
 
 
+def _holds(held: Optional[HeldWork], weight_dtypes: Sequence[torch.dtype]) -> bool:
+    """Whether a weight gradient is held back for `held` (`_weight_grad_now_or_held`)."""
+    return held is not None and held.holds_gradients and all(dt == torch.float32 for dt in weight_dtypes)
+
+
 def _weight_grad_now_or_held(held: Optional[HeldWork], grad_y: torch.Tensor, x: torch.Tensor,
                              weight_dtypes: Sequence[torch.dtype],
                              main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -270,7 +277,7 @@ def _weight_grad_now_or_held(held: Optional[HeldWork], grad_y: torch.Tensor, x: 
     (tpflash.parallel.held_work). Held only where every weight it feeds is fp32: the
     gradient then reaches them without a cast that would read it early. With `main_grad` the GEMM adds
     into it (now or held), and main_grad is returned."""
-    if held is None or not held.holds_gradients or any(dt != torch.float32 for dt in weight_dtypes):
+    if not _holds(held, weight_dtypes):
         return weight_grad_fp32(grad_y, x, into=main_grad)
     if main_grad is not None:
         held.hold(lambda: weight_grad_fp32(grad_y, x, into=main_grad))
@@ -391,6 +398,8 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         with _no_autocast(x_saved):
             gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False, whole=True)
             pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
+            holding = gather is None and _holds(ctx.held, ctx.param_dtypes[:n])
+            own = own_rows @ w_c if holding else None  # ... this rank's rows are multiplied, where nothing else is
             if gather is None:  # ... the weight gradient is computed (or held for a later layer's waits)
                 grad_w = _weight_grad_now_or_held(ctx.held, grad_y, x_saved, ctx.param_dtypes[:n], ctx.main_grad)
             else:
@@ -400,7 +409,8 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
                 grad_b = (column_sum(grad_y) if bias_sums is None else bias_sums).split(ctx.sizes)
             else:
                 grad_b = [None] * n
-            grad_x = pending.finish_matmul(own_rows, w_c)  # [s/tp*b, in]: the parts are here by now
+            # [s/tp*b, in]: with the weight gradient computed, the parts are here by now
+            grad_x = pending.finish(own) if holding else pending.finish_matmul(own_rows, w_c)
             if gather is not None:
                 gather.finish()
         params = [None if g is None else g.to(dt) for g, dt in zip(list(grad_w) + list(grad_b), ctx.param_dtypes)]
@@ -462,17 +472,19 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     if any(b is not None for b in biases):  # one stacked bias: zeros (no gradient) where a weight has none
         biases = [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
                   for w, b in zip(weights, biases)]
-    keep = keeps_gathered_input(save_gathered_input, group_size(group))
+    keep = keeps_gathered_input(save_gathered_input)
     return list(_ColumnLinearOverPeers.apply(x_local, group, keep, held, len(weights), *weights, *biases))
 
 
-def keeps_gathered_input(save_gathered_input: Optional[bool], tp: int) -> bool:
+def keeps_gathered_input(save_gathered_input: Optional[bool]) -> bool:
     """Whether an overlapped column GEMM keeps its all-gathered input for the backward: the layer's
-    save_gathered_input where set, else above two ranks. Gathering it again costs no memory but
-    moves (tp-1)/tp of the activation through the copy engines once more in each backward; at four
-    ranks the transfers, not the GEMMs, bound the attention's projections, and keeping the input
-    made the llama-1b step 6% shorter (docs/performance.md, "TP efficiency")."""
-    return tp > 2 if save_gathered_input is None else bool(save_gathered_input)
+    save_gathered_input where set, else yes. Gathering it again keeps only the local shard (1/tp of
+    the memory) but moves (tp-1)/tp of the activation through the copy engines once more in each
+    backward and copies this rank's rows beside the others'; a kept input also lets the MLP's up
+    projection hold its weight gradient for the output projection's waits. Keeping made llama-1b's
+    tp=4 step 6% shorter and gpt-2.7b's and llama-1b's tp=2 steps 1.1-1.5% shorter
+    (docs/performance.md, "TP efficiency")."""
+    return True if save_gathered_input is None else bool(save_gathered_input)
 
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
