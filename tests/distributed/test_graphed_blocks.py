@@ -9,7 +9,7 @@ import torch
 from tests.distributed.checks import assert_close, environment, init_tp
 from tests.models.reference import assert_grad_close
 from tpflash.models import GPT, GPTConfig
-from tpflash.parallel import comm, overlap, peer_collectives
+from tpflash.parallel import comm, overlap, overlap_gemms, peer_collectives
 
 VOCAB, SEQ, BATCH = 101, 8, 2
 
@@ -139,7 +139,7 @@ def casts_in_waits_body(tp, checkpointing=None):
     for model in (graphed, eager):
         overlap.set_overlap(model, True)
     inside, fills = [False], []
-    real_scatter, real_fill = overlap._multiply_scatter, weight_casts.PendingCast.fill
+    real_scatter, real_fill = overlap_gemms._multiply_scatter, weight_casts.PendingCast.fill
 
     def scatter(*args, **kwargs):
         inside[0] = True
@@ -153,7 +153,7 @@ def casts_in_waits_body(tp, checkpointing=None):
             fills.append(inside[0])
         real_fill(cast)
 
-    overlap._multiply_scatter, weight_casts.PendingCast.fill = scatter, fill
+    overlap_gemms._multiply_scatter, weight_casts.PendingCast.fill = scatter, fill
     results = []
     try:
         autocast = torch.autocast("cpu", dtype=torch.bfloat16)
@@ -169,7 +169,7 @@ def casts_in_waits_body(tp, checkpointing=None):
             loss.backward()
             results.append([loss] + [p.grad for p in model.parameters()])
     finally:
-        overlap._multiply_scatter, weight_casts.PendingCast.fill = real_scatter, real_fill
+        overlap_gemms._multiply_scatter, weight_casts.PendingCast.fill = real_scatter, real_fill
     for i, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), f"graphed and eager differ ({'loss' if i == 0 else f'gradient {i - 1}'})"
 

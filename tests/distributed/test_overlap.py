@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tests.distributed.checks import assert_close, init_tp, work_dtype
 from tpflash.layers import ColumnParallelLinear, RowParallelLinear
 from tpflash.layers.linear import _pipelined
-from tpflash.parallel import overlap
+from tpflash.parallel import overlap, overlap_gemms
 
 SEQ, BATCH, IN, OUT = 8, 3, 16, 24
 
@@ -80,7 +80,7 @@ def send_parts_body(tp):
     layer.overlap = True
     h_local = _randn(ps, torch.float32, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
     grad_y = _randn(ps, torch.float32, SEQ // tp, BATCH, OUT, seed=20 + ps.tp_rank)
-    make, threshold, sends = overlap._reduce_scatter, overlap.CHUNK_BELOW_INNER, []
+    make, threshold, sends = overlap_gemms._reduce_scatter, overlap_gemms.CHUNK_BELOW_INNER, []
 
     def recording(*args):
         pending = make(*args)
@@ -88,18 +88,18 @@ def send_parts_body(tp):
         pending.send = lambda r, part, row=0: sends.append(r) or send(r, part, row)
         return pending
 
-    overlap._reduce_scatter = recording
+    overlap_gemms._reduce_scatter = recording
     results = {}
     try:
         for below in (IN // tp + 1, IN // tp):  # the inner dimension under, then at the threshold
-            overlap.CHUNK_BELOW_INNER, sends[:] = below, []
+            overlap_gemms.CHUNK_BELOW_INNER, sends[:] = below, []
             layer.zero_grad()
             results[below] = _run(layer, h_local, grad_y)
             first = (ps.tp_rank + 1) % tp
             want = [first] * (2 if below > IN // tp else 1) + [(ps.tp_rank + s) % tp for s in range(2, tp)]
             assert sends == want, f"CHUNK_BELOW_INNER={below}: parts sent to {sends}, expected {want}"
     finally:
-        overlap._reduce_scatter, overlap.CHUNK_BELOW_INNER = make, threshold
+        overlap_gemms._reduce_scatter, overlap_gemms.CHUNK_BELOW_INNER = make, threshold
     _same(results[IN // tp], results[IN // tp + 1], f"row tp={tp}, one part per peer against two for the first")
 
 
@@ -374,8 +374,8 @@ def test_the_weight_gradient_summed_over_pieces_equals_the_one_gemm_over_the_gat
     torch.manual_seed(0)
     world, rows = 4, 6
     gathered, other = torch.randn(world * rows, 5), torch.randn(world * rows, 7)
-    by_pieces = overlap._weight_grad_with_gathered(_PiecesOnly(gathered, world, rank=2), other, gathered_is_grad)
-    one_gemm = overlap._weight_grad_with_gathered(_OneTensor(gathered, world, rank=2), other, gathered_is_grad)
+    by_pieces = overlap_gemms._weight_grad_with_gathered(_PiecesOnly(gathered, world, rank=2), other, gathered_is_grad)
+    one_gemm = overlap_gemms._weight_grad_with_gathered(_OneTensor(gathered, world, rank=2), other, gathered_is_grad)
     want = gathered.t() @ other if gathered_is_grad else other.t() @ gathered
     assert by_pieces.dtype == one_gemm.dtype == torch.float32
     assert_close(by_pieces, want, "summed over the pieces")
