@@ -8,9 +8,9 @@ efficiency"). A block's `HeldWork` collects work that does not depend on those t
 due later anyway, and the output projection runs it in the wait:
 
 - forward: the next block's weight casts (GraphedBlocks hands them over: weight_casts.PendingCast);
-- backward: the MLP's up-projection weight-gradient GEMM, whose backward runs just before and
-  returns that gradient unfilled instead, over its kept input (tpflash.parallel.overlap); that
-  backward multiplies its own rows while its reduce-scatter's parts travel instead.
+- backward: the MLP's up-projection weight-gradient GEMM over its kept input. That layer's backward
+  runs just before, returns the gradient unfilled and multiplies its own rows while its
+  reduce-scatter's parts travel (tpflash.parallel.overlap_gemms).
 
 Holding a gradient is sound only where nothing reads it before the GEMM fills it: inside the
 capture of a CUDA graph of the blocks (GraphedBlocks), which differentiates them with

@@ -175,7 +175,8 @@ def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torc
 
 
 def _holds(held: Optional[HeldWork], weight_dtypes: Sequence[torch.dtype]) -> bool:
-    """Whether a weight gradient is held back for `held` (`_weight_grad_now_or_held`)."""
+    """Whether a weight gradient is held back for `held`: where it holds gradients now and every weight
+    the gradient feeds is fp32 (`_weight_grad_now_or_held`)."""
     return held is not None and held.holds_gradients and all(dt == torch.float32 for dt in weight_dtypes)
 
 
