@@ -96,11 +96,8 @@ def _prime_fp8_scaling(model, args, ps) -> None:
     model.prime_fp8_scaling(idx[:, :-1], idx[:, 1:])
 
 
-def build(impl: str, shape: dict, args, ps, fused_loss: bool = True, make_opt=None):
-    """(model, loss_fn(idx, targets), context for forward + backward) for one implementation. `make_opt`
-    (model -> optimizer): for tpflash's graphed rows at dp=1, the optimizer made before the capture,
-    which then runs its update of the blocks' weights inside the forward graph, as the trainer's does
-    (GPT.capture_cuda_graphs(optimizer=))."""
+def build(impl: str, shape: dict, args, ps, fused_loss: bool = True):
+    """(model, loss_fn(idx, targets), context for forward + backward) for one implementation."""
     d, layers, heads = shape["d"], shape["layers"], shape["heads"]
     llama = shape.get("family") == "llama"
     if impl in EXTERNAL:
@@ -139,8 +136,7 @@ def build(impl: str, shape: dict, args, ps, fused_loss: bool = True, make_opt=No
                 if zero3 is not None:  # its gathers and reductions are captured too
                     zero3.capture_cuda_graphs(model, args.batch, args.seq)
                 else:
-                    opt = make_opt(model) if make_opt is not None and ps.dp_size == 1 else None
-                    model.capture_cuda_graphs(args.batch, args.seq, dp_sync=sync, optimizer=opt)
+                    model.capture_cuda_graphs(args.batch, args.seq, dp_sync=sync)
             if sync is not None:
                 model.zero1.use_graph_sync(sync)
         forward = model
@@ -264,16 +260,8 @@ def _measure(impl, shape, args, ps, fallback: bool):
     if ps.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ps.device)
     tpflash_impl = impl.startswith("tpflash")
-    made = []  # the optimizer, made before a capture that defers its update into the forward graph
-    fused = not (fallback and not tpflash_impl)
-
-    def make_opt(m):
-        made.append(make_optimizer(m, ps.device, fused=fused, local_shards=tpflash_impl))
-        return made[0]
-
-    model, loss_fn, step_context = build(impl, shape, args, ps, fused_loss=not (fallback and tpflash_impl),
-                                         make_opt=make_opt)
-    opt = made[0] if made else make_optimizer(model, ps.device, fused=fused, local_shards=tpflash_impl)
+    model, loss_fn, step_context = build(impl, shape, args, ps, fused_loss=not (fallback and tpflash_impl))
+    opt = make_optimizer(model, ps.device, fused=not (fallback and not tpflash_impl), local_shards=tpflash_impl)
     if getattr(model, "zero1", None) is not None:
         opt = Zero1Optimizer(model.zero1, opt)
     if getattr(model, "zero3", None) is not None:

@@ -20,7 +20,6 @@ import torch.nn as nn
 from .. import kernels
 from ..parallel import comm
 from ..parallel.context_attention import CP_COMMS, context_parallel_attention
-from ..parallel.held_work import HeldWork
 from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_cp_group, resolve_tp_group, sublayer_group
 from ..parallel.zigzag import zigzag_positions
@@ -151,9 +150,6 @@ class ParallelAttention(nn.Module):
         if qk_norm:
             norm_kw = dict(eps=norm_eps, process_group=sublayer_group(self.process_group), device=device, dtype=dtype)
             self.q_norm, self.k_norm = HeadNorm(self.head_dim, **norm_kw), HeadNorm(self.head_dim, **norm_kw)
-        # work held for the q/k/v gather's waits, run after this rank's rows on the overlapped path
-        # (a block's: tpflash.parallel.held_work); it never holds this layer's weight gradient
-        self.qkv_held_work: Optional[HeldWork] = None
         self.rotary = None
         if position == "rotary":
             self.rotary = RotaryEmbedding(self.head_dim, rope_theta, rope_scaling, max_positions)
@@ -182,8 +178,7 @@ class ParallelAttention(nn.Module):
         (k_w, k_b), (v_w, v_b) = self.k_proj.local_weight_and_bias(), self.v_proj.local_weight_and_bias()
         q, k, v = column_parallel_linears(x, [self.q_proj.weight, k_w, v_w], [self.q_proj.bias, k_b, v_b],
                                           self.process_group, self.sequence_parallel, self.q_proj.overlap,
-                                          fp8=self.fp8, fp8_amaxes=Fp8Amaxes(history=self.fp8_history),
-                                          held=self.qkv_held_work)  # [seq, b, heads*hd]
+                                          fp8=self.fp8, fp8_amaxes=Fp8Amaxes(history=self.fp8_history))  # [seq, b, heads*hd]
         seq, batch = q.shape[0], q.shape[1]
         q = q.view(seq, batch, self.local_heads, self.head_dim)
         k = k.view(seq, batch, self.local_kv_heads, self.head_dim)

@@ -23,7 +23,7 @@ from ..kernels import column_sum, concat_with_column_sum
 from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
 from .fp8_linear import Fp8Amaxes, fp8_linears
-from .main_grads import main_grad_of, main_grad_overwrites, weight_grad_target
+from .main_grads import main_grad_of
 from .weight_casts import stacked_cast
 
 
@@ -39,7 +39,6 @@ class _StackedLinear(torch.autograd.Function):
         ctx.x_dtype, ctx.sizes = x.dtype, [w.shape[0] for w in weights]
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.main_grad = main_grad_of(weights)  # where the weight gradient is added (tpflash.layers.main_grads)
-        ctx.overwrite = ctx.main_grad is not None and main_grad_overwrites(weights)  # ... or written
         with torch.autocast(x.device.type, enabled=False):
             x_c, w_c = x.to(dtype), stacked_cast(weights, dtype)  # w_c [sum out, in]
             b_c = None if biases[0] is None else stacked_cast(biases, dtype)
@@ -66,7 +65,7 @@ class _StackedLinear(torch.autograd.Function):
         if any(ctx.needs_input_grad[3:3 + n]):
             x2d = x_c.reshape(-1, x_c.shape[-1])
             if ctx.main_grad is not None:  # added into the weights' main_grad; none returned
-                weight_grad_fp32(rows, x2d, **weight_grad_target(ctx.main_grad, ctx.overwrite))
+                weight_grad_fp32(rows, x2d, into=ctx.main_grad)
             elif all(dt == w_c.dtype for dt in ctx.param_dtypes[:n]):  # e.g. FSDP's bf16 weights: no fp32 pass to cast
                 grads[:n] = torch.mm(rows.t(), x2d).split(ctx.sizes)  # fp32 accumulation, rounded once, as the cast
             else:

@@ -64,8 +64,7 @@ class ParallelTransformerBlock(nn.Module):
     largest) or "selective" (keep the GEMMs' and fused attention's outputs, recompute the rest: norms,
     activations, rotary; dropout 0). `held_work`: work held for the output projection's waits
     where a CUDA graph capture hands it over (GraphedBlocks; tpflash.parallel.held_work): the next
-    block's weight casts and deferred optimizer updates in the forward, the MLP's up-projection
-    weight-gradient GEMM in the backward; `qkv_held_work`: forward work for the q/k/v gather's waits.
+    block's weight casts in the forward, the MLP's up-projection weight-gradient GEMM in the backward.
     Attention options (head_dim, qkv_bias, qk_norm, rope_scaling, max_positions, and context parallelism's
     cp_group and cp_comm) are ParallelAttention's; fp8 (the projections' GEMMs) goes to attention and MLP;
     forward's keyword arguments (position_ids, cu_seqlens, max_seqlen: packed documents) go to it.
@@ -108,8 +107,6 @@ class ParallelTransformerBlock(nn.Module):
         # work the output projection runs while its transfers travel (tpflash.parallel.held_work)
         self.held_work = HeldWork()
         self.mlp.held_work = self.attn.o_proj.held_work = self.held_work
-        # and work the q/k/v projection runs while its input's gather travels
-        self.qkv_held_work = self.attn.qkv_held_work = HeldWork()
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return self.rng_tracker.dropout(x, self.dropout, sharded=self.sequence_parallel, training=self.training)

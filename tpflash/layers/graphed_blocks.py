@@ -37,11 +37,7 @@ What a replay assumes, checked where it can be:
   caller says micro-batches accumulate (`accumulate_grads`), nothing is copied: the weight-gradient
   GEMMs add into fp32 buffers of the weights' own (tpflash.layers.main_grads), which are their
   .grad, and the weights are cast to the compute dtype once per change of their values (before a
-  forward replay, eagerly), not in every micro-batch's forward graph;
-- given the optimizer (one micro-batch a step), the forward graph also runs the optimizer's update of
-  the blocks' weight matrices, deferred from its step() into the waits of the block before each
-  (tpflash.layers.deferred_updates): the weights and the optimizer's state are those of the last
-  step only after that replay or `apply_deferred_updates()`.
+  forward replay, eagerly), not in every micro-batch's forward graph.
 
 On CPU the same class runs with an eager stand-in for the graph (`replay()` reruns the captured
 function into the same Python slots): no speed-up, but every line of the plumbing around the
@@ -59,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..parallel import comm, overlap, peer_collectives
 from ..parallel.held_work import holding_gradients
-from . import deferred_updates, weight_casts
+from . import weight_casts
 from .main_grads import MainGrads
 
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
@@ -154,15 +150,10 @@ class GraphedBlocks:
     not returned. `accumulate_grads`: several forwards and backwards run per optimizer step (gradient
     accumulation): without dp_sync or gradient hooks the weights' gradients are then added into their
     main_grad buffers by the GEMMs, and the weight casts leave the forward graph (module docstring).
-    `optimizer`: a torch AdamW over (at least) the blocks' weights, stepped once per forward and
-    backward (no accumulation, no dp_sync or gradient hooks): the update of the weights whose
-    gradients the GEMMs add into main_grad buffers then leaves its step() and runs inside the next
-    forward replay, in the blocks' waits (tpflash.layers.deferred_updates); call
-    `apply_deferred_updates()` before reading the weights or the optimizer's state elsewhere.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], sample_x: torch.Tensor, dp_sync=None,
-                 accumulate_grads: bool = False, optimizer: Optional[torch.optim.Optimizer] = None):
+                 accumulate_grads: bool = False):
         if not blocks:
             raise ValueError("GraphedBlocks needs at least one block")
         if not torch.is_grad_enabled():
@@ -185,17 +176,9 @@ class GraphedBlocks:
         self.held = [] if hooked else [b.held_work for b in self.blocks
                                        if getattr(b, "held_work", None) is not None]
         self.returned = tuple(id(p) not in taken for p in self.params)
-        # the optimizer's update of the weights that add into main_grad, issued in the forward graph's waits
-        # (one micro-batch a step: accumulating, the casts leave the graph instead and the update stays)
-        self.optimizer = optimizer if not hooked and not accumulate_grads else None
-        self.updates: Optional[deferred_updates.DeferredUpdates] = None  # made once a pass shows those weights
-        # deferring the update (one backward a step), the GEMMs write the buffers: nothing to zero or add
-        self.main_grads = (self._main_grads(overwrite=not accumulate_grads) if (accumulate_grads or self.optimizer)
-                           and not hooked else None)
-        # accumulating, the weights change only between optimizer steps: cast once per change, outside the
-        # graphs (not where their update is deferred into the forward graph: the casts must follow it there)
-        hoist = accumulate_grads and dp_sync is None and self.optimizer is None
-        self.hoisted_casts = self._pending_casts(sample_x) if hoist else None
+        self.main_grads = self._main_grads() if accumulate_grads and not hooked else None
+        # accumulating, the weights change only between optimizer steps: cast once per change, outside the graphs
+        self.hoisted_casts = self._pending_casts(sample_x) if accumulate_grads and dp_sync is None else None
         self._cast_versions: Optional[List[int]] = None  # the cast weights' version counters when last cast
         self._step_hook = None
         if self.hoisted_casts is not None:  # torch's fused AdamW updates in place without bumping versions
@@ -226,15 +209,12 @@ class GraphedBlocks:
         if device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()
             self.fwd_graph, self.bwd_graph = _CudaGraph(pool), _CudaGraph(pool)
-            grads = self._warm_up()
+            self._warm_up()
             if self.dp_sync is not None:
                 self.dp_sync.warm_up()
         else:
             self.fwd_graph = _EagerGraph(device.type, self.autocast_state)
             self.bwd_graph = _EagerGraph(device.type, NO_AUTOCAST)
-            grads = self._eager_pass() if self.optimizer is not None else None
-        if self.optimizer is not None and self.main_grads is not None:
-            self._defer_updates(grads)
         with _autocast(device.type, self.autocast_state):
             self.fwd_graph.capture(self._forward)
         self.static_grad_out = tuple(torch.empty_like(o) for o in self.outputs)
@@ -249,20 +229,14 @@ class GraphedBlocks:
             casts = self.hoisted_casts if hoisted else self._pending_casts(x)
             with self._one_grad_bucket(), weight_casts.open_casts(casts, weight_casts.compute_dtype(x)):
                 for i, block in enumerate(self.blocks):
-                    if i == 0 and self.updates is not None:  # the first block's updates before anything reads it
-                        self.updates.issue(0, deferred_updates.MLP)
-                        self.updates.issue(0, deferred_updates.ATTENTION)
                     if casts[i] is not None and not hoisted:
                         casts[i].fill()  # a no-op where the previous block's output projection issued it
                     held = getattr(block, "held_work", None)
-                    if self.updates is not None and i + 1 < len(self.blocks):  # the next block's, in this one's waits
-                        deferred_updates.hold_for_next_block(self.updates, block, i + 1)
                     if held is not None and i + 1 < len(casts) and casts[i + 1] is not None and not hoisted:
                         held.hold(casts[i + 1].fill)  # the next block's casts, in this block's waits
                     x, residual = block(x, residual)
-                    for leftover in (getattr(block, "qkv_held_work", None), held):
-                        if leftover is not None:
-                            leftover.run()  # what its layers did not run (off the overlapped path)
+                    if held is not None:
+                        held.run()  # what its output projection did not run (off the overlapped path)
             return x, residual
         with self._one_grad_bucket():  # each block waits for its weights' all-gather, then casts them
             cast = getattr(self.dp_sync, "cast_weights", True)
@@ -308,11 +282,11 @@ class GraphedBlocks:
                     cast.fill(again=True)
             self._cast_versions = versions
 
-    def _main_grads(self, overwrite: bool = False) -> Optional[MainGrads]:
+    def _main_grads(self) -> Optional[MainGrads]:
         """main_grad buffers for the blocks' fp32 weights, the weights each layer stacks side by side
         (the blocks' weight_cast_groups give the stacking), or None where there are none."""
         groups = [g for b in self.blocks if hasattr(b, "weight_cast_groups") for g in b.weight_cast_groups()]
-        main = MainGrads(groups + [(p,) for p in self.params], overwrite=overwrite)
+        main = MainGrads(groups + [(p,) for p in self.params])
         return main if main.weights else None
 
     def _main_grads_open(self):
@@ -345,10 +319,10 @@ class GraphedBlocks:
         torch.autograd.backward(outputs, grads, inputs=(self.static_x,) + self.params)
         return (self.static_x.grad,) + (None,) * len(self.params)
 
-    def _warm_up(self) -> Tuple[Optional[torch.Tensor], ...]:
+    def _warm_up(self) -> None:
         """A few eager passes on a side stream, so lazy set-up (autotuning, cuBLAS handles, NCCL
         communicators) happens before capture rather than inside it; the memory they cached is handed
-        back to the device before the capture. Returns the last pass's (d x, d each parameter)."""
+        back to the device before the capture."""
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -358,7 +332,7 @@ class GraphedBlocks:
                 with _autocast(device_type, self.autocast_state), self._main_grads_open():
                     outs = self._run_blocks(self.static_x)
                 with _autocast(device_type, NO_AUTOCAST), holding_gradients(self.held), self._main_grads_open():
-                    grads = self._differentiate(outs, [torch.ones_like(o) for o in outs])
+                    self._differentiate(outs, [torch.ones_like(o) for o in outs])
             del outs
         torch.cuda.synchronize()
         # The passes' activations stay cached for the side stream, which runs nothing after them, while the
@@ -366,26 +340,6 @@ class GraphedBlocks:
         # (llama-1b on one GPU: 40.0 to 26.9 GiB reserved at the same speed; docs/performance.md,
         # "Activation memory").
         torch.cuda.empty_cache()
-        return tuple(None if g is None else True for g in grads)  # which came back, not the tensors
-
-    def _eager_pass(self) -> Tuple[Optional[bool], ...]:
-        """One forward and backward as the replays run them (the CPU stand-in has no warm-up): which
-        gradients (d x, d each parameter) came back."""
-        with _autocast(self.static_x.device.type, self.autocast_state), self._main_grads_open():
-            outs = self._run_blocks(self.static_x)
-        with _autocast(self.static_x.device.type, NO_AUTOCAST), holding_gradients(self.held), self._main_grads_open():
-            grads = self._differentiate(outs, [torch.ones_like(o) for o in outs])
-        return tuple(None if g is None else True for g in grads)
-
-    def _defer_updates(self, returned: Tuple[Optional[bool], ...]) -> None:
-        """Take the optimizer's update of the weights whose layers added their gradient into main_grad (no
-        gradient came back for them in `returned`) out of its step, into the forward graph."""
-        adding = {id(p) for p, g in zip(self.params, returned[1:]) if g is None}
-        pairs = [(w, b) for w, b in zip(self.main_grads.weights, self.main_grads.buffers) if id(w) in adding]
-        self.updates = deferred_updates.for_blocks(self.optimizer, self.blocks, [w for w, _ in pairs],
-                                                   [b for _, b in pairs])
-        if self.updates is None:  # nothing to defer (e.g. no overlapped layer adds into main_grad): no buffers
-            self.main_grads = None
 
     # ---- replay -----------------------------------------------------------------------------------
     def release(self) -> None:
@@ -395,9 +349,6 @@ class GraphedBlocks:
             if graph is not None:
                 graph.release()
         self.fwd_graph = self.bwd_graph = None
-        if getattr(self, "updates", None) is not None:  # applied, and the weights handed back to optimizer.step()
-            self.updates.remove()
-            self.updates = None
         if getattr(self, "_step_hook", None) is not None:
             self._step_hook.remove()
             self._step_hook = None
@@ -424,8 +375,6 @@ class GraphedBlocks:
         self._unalias_accumulated_grads()
         self._refresh_casts()
         self.fwd_graph.replay()
-        if self.updates is not None:
-            self.updates.replayed()
         self.forward_generation += 1
         return self.forward_generation
 
@@ -440,8 +389,6 @@ class GraphedBlocks:
                 static.zero_()
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
-        if self.updates is not None:
-            self.updates.backward_replayed()  # one a step: the GEMMs overwrite the gradients
         if self.main_grads is not None:  # each weight's .grad is its main_grad, holding what .grad held
             self.main_grads.start()
         self.bwd_graph.replay()
@@ -456,13 +403,6 @@ class GraphedBlocks:
         updated values (dp_sync may still be gathering them on a side stream)."""
         if self.dp_sync is not None:
             self.dp_sync.wait_all()
-        self.apply_deferred_updates()
-
-    def apply_deferred_updates(self) -> None:
-        """Apply the optimizer update that waits for the next forward replay (`optimizer` given): before
-        anything else reads the blocks' weights or the optimizer's state (evaluation, checkpoints)."""
-        if self.updates is not None:
-            self.updates.flush()
 
     def _unalias_accumulated_grads(self) -> None:
         # autograd keeps a returned gradient as param.grad when there was none: that .grad is then

@@ -31,13 +31,9 @@ def _takes_main_grad(w: Optional[torch.Tensor]) -> bool:
 class MainGrads:
     """One flat fp32 buffer holding a `main_grad` [out, in] for every 2-D fp32 weight of `groups`,
     each group's weights side by side in its order (a group: the weights one GEMM stacks by rows).
-    Groups holding anything else (biases, norms, None) are left out, as is a weight already placed.
-    overwrite: each backward's GEMMs write the buffers instead of adding into them, and `start()` neither
-    zeroes them nor copies .grad in: for one backward per optimizer step (GraphedBlocks with the
-    optimizer's update deferred), where the buffers need only outlive the graphs' memory, not sum."""
+    Groups holding anything else (biases, norms, None) are left out, as is a weight already placed."""
 
-    def __init__(self, groups: Sequence[Sequence[Optional[torch.Tensor]]], overwrite: bool = False):
-        self.overwrite = overwrite
+    def __init__(self, groups: Sequence[Sequence[Optional[torch.Tensor]]]):
         placed, seen = [], set()
         for group in groups:
             if group and all(_takes_main_grad(w) for w in group) and not any(id(w) in seen for w in group):
@@ -60,15 +56,14 @@ class MainGrads:
 
     @contextlib.contextmanager
     def open(self) -> Iterator[None]:
-        """Inside, every weight carries its buffer as `weight.main_grad` (for main_grad_of), and whether
-        the GEMMs write it (`main_grad_overwrites`)."""
+        """Inside, every weight carries its buffer as `weight.main_grad` (for main_grad_of)."""
         for w, b in zip(self.weights, self.buffers):
-            w.main_grad, w.main_grad_overwrites = b, self.overwrite
+            w.main_grad = b
         try:
             yield
         finally:
             for w in self.weights:
-                del w.main_grad, w.main_grad_overwrites
+                del w.main_grad
 
     def start(self) -> None:
         """Before a backward that adds into the buffers: each buffer holds its weight's .grad (zeros where
@@ -76,10 +71,6 @@ class MainGrads:
         after the first)."""
         stale = [(w, b) for w, b in zip(self.weights, self.buffers) if w.grad is not b]
         if not stale:
-            return
-        if self.overwrite:  # the backward writes every buffer
-            for w, b in stale:
-                w.grad = b
             return
         if len(stale) == len(self.buffers) and all(w.grad is None for w, _ in stale):
             self.flat.zero_()  # one memset (also over buffers no longer kept)
@@ -105,17 +96,6 @@ def main_grad_of(weights: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         end += b.numel() * b.element_size()
     rows = sum(b.shape[0] for b in buffers)
     return first.as_strided((rows,) + tuple(first.shape[1:]), first.stride())
-
-
-def main_grad_overwrites(weights: Sequence[torch.Tensor]) -> bool:
-    """Whether the GEMM writes the main_grad of `weights` (main_grad_of) rather than adding into it."""
-    return bool(getattr(weights[0], "main_grad_overwrites", False))
-
-
-def weight_grad_target(main_grad: Optional[torch.Tensor], overwrite: bool) -> dict:
-    """kernels.weight_grad_fp32's keyword for a main_grad: add into it, write it (`overwrite`), or neither
-    (None: a new tensor)."""
-    return {"out": main_grad} if overwrite and main_grad is not None else {"into": main_grad}
 
 
 def split_or_none(main_grad: Optional[torch.Tensor], grad_w: torch.Tensor, sizes: Sequence[int]

@@ -233,8 +233,7 @@ class GPT(nn.Module):
                 x, residual = block(x, residual, **block_kw)
         return self.final_norm(x, residual=residual)[0]
 
-    def capture_cuda_graphs(self, batch_size: int, seq_len: int, dp_sync=None, accumulate_grads: bool = False,
-                            optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    def capture_cuda_graphs(self, batch_size: int, seq_len: int, dp_sync=None, accumulate_grads: bool = False) -> None:
         """Capture the blocks' forward and backward as CUDA graphs (tpflash.layers.graphed_blocks).
 
         Later training forwards of [batch_size, seq_len] ids with grad mode on, under the autocast
@@ -251,10 +250,6 @@ class GPT(nn.Module):
         `accumulate_grads`: gradients accumulate over several micro-batches per optimizer step; the
         blocks' weight-gradient GEMMs then add into fp32 buffers that are the weights' .grad, and the
         weights are cast once per update (GraphedBlocks). Not with DDP, whose hooks must see each gradient.
-        `optimizer`: the torch AdamW that steps this model once per forward and backward (no dp_sync,
-        DDP or accumulation): its update of the blocks' weight matrices then runs in the next forward
-        replay, in the blocks' waits (tpflash.layers.deferred_updates); `apply_deferred_updates()` before
-        reading the weights or the optimizer's state outside training steps.
         """
         from ..layers.graphed_blocks import GraphedBlocks, check_graphable
         if self.cp_group is not None:
@@ -269,14 +264,7 @@ class GPT(nn.Module):
             sample = self.embed(idx)  # [seq(/tp), batch, hidden]
         history = self._amax_history()
         with contextlib.nullcontext() if history is None else history.capture():
-            self._graphed_blocks = GraphedBlocks(self.blocks, sample, dp_sync=dp_sync, accumulate_grads=accumulate_grads,
-                                                 optimizer=optimizer)
-
-    def apply_deferred_updates(self) -> None:
-        """Apply the optimizer update the graphs hold for the next forward (capture_cuda_graphs(optimizer=)),
-        if any: before reading the weights or the optimizer's state outside a training step."""
-        if self._graphed_blocks is not None:
-            self._graphed_blocks.apply_deferred_updates()
+            self._graphed_blocks = GraphedBlocks(self.blocks, sample, dp_sync=dp_sync, accumulate_grads=accumulate_grads)
 
     def release_cuda_graphs(self) -> None:
         """Destroy the captured graphs (and their memory pool); forwards run eagerly again. Call it

@@ -4,8 +4,7 @@ tpflash.parallel.overlap's entry points, and the GEMMs and transfers they are ma
   column forward   ys = all_gather(x) @ [W_1; ..; W_n]^T   this rank's rows are multiplied while the
                    copy engines move the others; each peer's rows are multiplied once they are here
                    (x kept for the backward by default: inside a graph capture in a buffer of
-                   the layer's own, which the peers' rows are pushed into, nothing copied out;
-                   work held for the layer runs after this rank's rows: tpflash.parallel.held_work)
+                   the layer's own, which the peers' rows are pushed into, nothing copied out)
   column backward  grad_x = reduce_scatter(grad_y @ W)     the rows due to each peer are computed and
                    sent first; the weight-gradient GEMM runs while they travel (one GEMM over x
                    gathered again beside the first GEMMs, unless x was kept; over a kept x, the
@@ -38,7 +37,7 @@ import torch.distributed as dist
 from ..kernels import column_sum, concat_with_column_sum
 from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
-from ..layers.main_grads import main_grad_of, main_grad_overwrites, split_or_none, weight_grad_target
+from ..layers.main_grads import main_grad_of, split_or_none
 from ..layers.weight_casts import stacked_cast
 from . import comm, peer_collectives
 from .held_work import HeldWork
@@ -149,34 +148,30 @@ def _peers_first(rank: int, world: int) -> List[int]:
     return [(rank + step) % world for step in range(1, world)]
 
 
-def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor,
-                     held: Optional[HeldWork] = None) -> None:
-    """out[rows of rank r] = gather.piece(r) @ w (+ b), each rank's rows as soon as they are here; the
-    work `held` for this layer runs after this rank's rows, while the peers' travel."""
+def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out[rows of rank r] = gather.piece(r) @ w (+ b), each rank's rows as soon as they are here."""
     m = out.shape[0] // len(gather.order())
-    for i, r in enumerate(gather.order()):
+    for r in gather.order():
         dst = out[r * m:(r + 1) * m]
         if b is None:
             torch.mm(gather.piece(r), w, out=dst)
         else:
             torch.addmm(b, gather.piece(r), w, out=dst)
-        if i == 0 and held is not None:
-            held.run()
 
 
 def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor,
                           held: Optional[HeldWork] = None,
-                          main_grad: Optional[torch.Tensor] = None, overwrite: bool = False) -> torch.Tensor:
+                          main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A row layer's two backward GEMMs over an all-gathered grad_y: grad_h[rows of r] = piece(r) @ w,
     rank by rank as the pieces arrive, then the fp32 weight gradient grad_y^T h (added into `main_grad`
-    where given, or written there with `overwrite`, which is then what is returned). The GEMMs `held`
-    back from an earlier layer run after this rank's rows, while the peers' rows travel."""
+    where given, which is then what is returned). The GEMMs `held` back from an earlier layer run
+    after this rank's rows, while the peers' rows travel."""
     m = grad_h.shape[0] // len(gather.order())
     for i, r in enumerate(gather.order()):
         torch.mm(gather.piece(r), w, out=grad_h[r * m:(r + 1) * m])
         if i == 0 and held is not None:
             held.run()
-    return _weight_grad_with_gathered(gather, h, gathered_is_grad=True, main_grad=main_grad, overwrite=overwrite)
+    return _weight_grad_with_gathered(gather, h, gathered_is_grad=True, main_grad=main_grad)
 
 
 def _holds(held: Optional[HeldWork], weight_dtypes: Sequence[torch.dtype]) -> bool:
@@ -187,16 +182,16 @@ def _holds(held: Optional[HeldWork], weight_dtypes: Sequence[torch.dtype]) -> bo
 
 def _weight_grad_now_or_held(held: Optional[HeldWork], grad_y: torch.Tensor, x: torch.Tensor,
                              weight_dtypes: Sequence[torch.dtype],
-                             main_grad: Optional[torch.Tensor] = None, overwrite: bool = False) -> torch.Tensor:
+                             main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 weight gradient grad_y^T x (grad_y [rows, out], x [rows, in]): computed now, or, where
     `held` allows it, an unfilled [out, in] tensor that the held GEMM writes before anything reads it
     (tpflash.parallel.held_work). Held only where every weight it feeds is fp32: the
     gradient then reaches them without a cast that would read it early. With `main_grad` the GEMM adds
-    into it (writes it with `overwrite`; now or held), and main_grad is returned."""
+    into it (now or held), and main_grad is returned."""
     if not _holds(held, weight_dtypes):
-        return weight_grad_fp32(grad_y, x, **weight_grad_target(main_grad, overwrite))
+        return weight_grad_fp32(grad_y, x, into=main_grad)
     if main_grad is not None:
-        held.hold(lambda: weight_grad_fp32(grad_y, x, **weight_grad_target(main_grad, overwrite)))
+        held.hold(lambda: weight_grad_fp32(grad_y, x, into=main_grad))
         return main_grad
     grad_w = torch.empty((grad_y.shape[1], x.shape[1]), dtype=torch.float32, device=grad_y.device)
     held.hold(lambda: weight_grad_fp32(grad_y, x, out=grad_w))
@@ -204,23 +199,22 @@ def _weight_grad_now_or_held(held: Optional[HeldWork], grad_y: torch.Tensor, x: 
 
 
 def _weight_grad_with_gathered(gather, other: torch.Tensor, gathered_is_grad: bool,
-                               main_grad: Optional[torch.Tensor] = None, overwrite: bool = False) -> torch.Tensor:
+                               main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 weight gradient grad^T x where one of grad, x is the all-gathered tensor and `other`
     [world*m, *] the other: one GEMM over every rank's rows where the gather gives them as one tensor
     (a GEMM as long as tp=1's), else summed rank by rank over the pieces; added into `main_grad` where
-    given, written there with `overwrite` (and that returned)."""
+    given (and that returned)."""
     whole = gather.whole()
     if whole is not None:
         grad, x = (whole, other) if gathered_is_grad else (other, whole)
-        return weight_grad_fp32(grad, x, **weight_grad_target(main_grad, overwrite))
+        return weight_grad_fp32(grad, x, into=main_grad)
     m = other.shape[0] // len(gather.order())
     grad_w = main_grad
-    for i, r in enumerate(gather.order()):
+    for r in gather.order():
         mine, piece = other[r * m:(r + 1) * m], gather.piece(r)
         grad, x = (piece, mine) if gathered_is_grad else (mine, piece)
-        grad_w = weight_grad_fp32(grad, x, **weight_grad_target(grad_w, overwrite and i == 0))
+        grad_w = weight_grad_fp32(grad, x, into=grad_w)
     return grad_w
-
 
 
 def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None,
@@ -275,9 +269,7 @@ def _chunks(m: int, n: int) -> List[slice]:
 class _ColumnLinearOverPeers(torch.autograd.Function):
     """ys_i = all_gather_seq(x_local) @ W_i^T + b_i: x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp].
     save_gathered: keep the gathered input for the weight gradient, else gather it again there.
-    held: a HeldWork or None: what it holds runs in the forward after this rank's rows (e.g. a later
-    block's deferred optimizer updates, GraphedBlocks), and in the backward the weight gradient over a
-    kept input may be held back in it."""
+    held: where the weight gradient over a kept input may be held back (HeldWork), or None."""
 
     @staticmethod
     def forward(ctx, x_local, group, save_gathered, held, n, *params):
@@ -287,7 +279,6 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         ctx.sizes, ctx.save_gathered = [w.shape[0] for w in weights], save_gathered
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.main_grad = main_grad_of(weights)  # where the weight gradient is added (tpflash.layers.main_grads)
-        ctx.overwrite = ctx.main_grad is not None and main_grad_overwrites(weights)  # ... or written
         rows = _rows(x_local.to(dtype))  # [s/tp*b, in]
         world = dist.get_world_size(group)
         with _no_autocast(rows):
@@ -295,7 +286,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             b_c = None if biases[0] is None else stacked_cast(biases, dtype)
             gather = _all_gather(rows, group, keep=save_gathered, owner=weights[0])
             out = rows.new_empty((world * rows.shape[0], w_c.shape[0]))  # [s*b, sum out_i/tp]
-            _gather_multiply(gather, w_c.t(), b_c, out, held)  # held forward work after this rank's rows
+            _gather_multiply(gather, w_c.t(), b_c, out)
             x_full = gather.finish()  # [s*b, in] (None when not kept)
         ctx.save_for_backward(x_full if save_gathered else rows, w_c)
         lead = (world * x_local.shape[0],) + tuple(x_local.shape[1:-1])
@@ -321,11 +312,9 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             holding = gather is None and _holds(ctx.held, ctx.param_dtypes[:n])
             own = own_rows @ w_c if holding else None  # ... this rank's rows are multiplied, where nothing else is
             if gather is None:  # ... the weight gradient is computed (or held for a later layer's waits)
-                grad_w = _weight_grad_now_or_held(ctx.held, grad_y, x_saved, ctx.param_dtypes[:n], ctx.main_grad,
-                                                  ctx.overwrite)
+                grad_w = _weight_grad_now_or_held(ctx.held, grad_y, x_saved, ctx.param_dtypes[:n], ctx.main_grad)
             else:
-                grad_w = _weight_grad_with_gathered(gather, grad_y, gathered_is_grad=False, main_grad=ctx.main_grad,
-                                                    overwrite=ctx.overwrite)
+                grad_w = _weight_grad_with_gathered(gather, grad_y, gathered_is_grad=False, main_grad=ctx.main_grad)
             grad_w = split_or_none(ctx.main_grad, grad_w, ctx.sizes)
             if has_bias:
                 grad_b = (column_sum(grad_y) if bias_sums is None else bias_sums).split(ctx.sizes)
@@ -348,7 +337,6 @@ class _RowLinearOverPeers(torch.autograd.Function):
         dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes, ctx.held = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype), held
         ctx.main_grad = main_grad_of([weight])  # where the weight gradient is added (tpflash.layers.main_grads)
-        ctx.overwrite = ctx.main_grad is not None and main_grad_overwrites([weight])  # ... or written
         h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
         with _no_autocast(h):
             b_c = None if bias is None else stacked_cast([bias], dtype)
@@ -363,8 +351,7 @@ class _RowLinearOverPeers(torch.autograd.Function):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
             gather = _all_gather(grad_rows, ctx.group, keep=False, whole=True)
             grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
-            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held, ctx.main_grad,
-                                           ctx.overwrite)  # [out, in/tp]
+            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held, ctx.main_grad)  # [out, in/tp]
             grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
             gather.finish()
         grad_w = None if ctx.main_grad is not None else grad_w.to(ctx.dtypes[1])  # main_grad: added there

@@ -111,12 +111,8 @@ class Trainer:
             # of its own flat buffers
             replicated = self.dp_mode == "off" and self.ps.dp_cp_size > 1
             accumulate = self.plan.grad_accum > 1 and not replicated and self.zero is None
-            # one micro-batch a step, no dp hooks: the update of the blocks' weights runs in the next forward
-            # graph, in the blocks' waits (tpflash.layers.deferred_updates)
-            defer = self.plan.grad_accum == 1 and not replicated and self.zero is None
             self.model.capture_cuda_graphs(self.plan.micro, self.seq_len, accumulate_grads=accumulate,
-                                           **({"dp_sync": sync} if sync else {}),
-                                           **({"optimizer": self.optimizer} if defer else {}))
+                                           **({"dp_sync": sync} if sync else {}))
         if sync is not None:
             self.zero.use_graph_sync(sync)
 
@@ -128,12 +124,9 @@ class Trainer:
 
     def _parameters_ready(self) -> None:
         """Before reading the parameters outside a training step (evaluation, samples, checkpoints): under
-        zero1 in graphs the blocks' weights may still be gathering on a side stream; with the update
-        deferred into the next forward graph, it is applied now."""
+        zero1 in graphs the blocks' weights may still be gathering on a side stream."""
         if self.zero is not None:
             self.zero.wait_for_parameters()
-        if hasattr(self.model, "apply_deferred_updates"):
-            self.model.apply_deferred_updates()
 
     def _build_model(self, model_cls, dp: int) -> None:
         """The model on this rank's device: built on the meta device, sharded over dp if the layout says
