@@ -57,7 +57,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tpflash  # noqa: E402
 from tpflash.models import GPT, GPTConfig  # noqa: E402
-from tpflash.parallel import overlap, peer_collectives  # noqa: E402
+from tpflash.parallel import overlap, peer_collectives, peer_workspace  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_external import EXTERNAL, build as build_external, layout_note, skip_reason  # noqa: E402
@@ -325,15 +325,19 @@ def flops_per_token(shape: dict, args) -> float:
 def _peak_gib(device, build_peak: Optional[int]) -> Dict[str, float]:
     """The row's peak memory, the largest over the ranks: what tensors held over the whole row
     (`peak_gib`) and during the timed steps alone (`steps_peak_gib`; the rest is the build: warm-up
-    passes, graph capture), and what the caching allocator reserved (`reserved_gib`: CUDA graphs'
-    pools whole, also the parts their replays use that no live tensor holds between them)."""
+    passes, graph capture), both with the symmetric memory of tpflash's copy-engine collectives
+    (`symmetric_gib`: workspaces and kept gathered inputs, which the caching allocator does not see),
+    and what the caching allocator reserved (`reserved_gib`: CUDA graphs' pools whole, also the parts
+    their replays use that no live tensor holds between them)."""
     if device.type != "cuda":
         return {"peak_gib": float("nan")}
     steps = torch.cuda.max_memory_allocated(device)
-    peak = torch.tensor([max(steps, build_peak or 0), steps, torch.cuda.max_memory_reserved(device)],
-                        dtype=torch.float64, device=device) / 2 ** 30
+    symmetric = peer_workspace.symmetric_bytes(device)
+    peak = torch.tensor([max(steps, build_peak or 0) + symmetric, steps + symmetric,
+                         torch.cuda.max_memory_reserved(device), symmetric], dtype=torch.float64, device=device) / 2 ** 30
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"peak_gib": peak[0].item(), "steps_peak_gib": peak[1].item(), "reserved_gib": peak[2].item()}
+    return {"peak_gib": peak[0].item(), "steps_peak_gib": peak[1].item(), "reserved_gib": peak[2].item(),
+            "symmetric_gib": peak[3].item()}
 
 
 def parse_args(argv=None):

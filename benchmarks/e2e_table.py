@@ -41,7 +41,8 @@ def table(rows: list, impls: Sequence[str], baseline: Dict[str, str],
             if "sm_mhz" in r:
                 notes.append(f"SM {r['sm_mhz']:.0f} MHz, {r['power_w']:.0f} W")
             if "reserved_gib" in r:
-                notes.append(f"memory: steps {r['steps_peak_gib']:.1f} GiB, reserved {r['reserved_gib']:.1f}")
+                symmetric = f", symmetric {r['symmetric_gib']:.1f}" if r.get("symmetric_gib") else ""
+                notes.append(f"memory: steps {r['steps_peak_gib']:.1f} GiB, reserved {r['reserved_gib']:.1f}{symmetric}")
             if "exposed_comm_ms" in r:
                 notes.append(f"comm {r['comm_ms']:.1f} ms/step, exposed {r['exposed_comm_ms']:.1f}")
             cells = [f"{r['tok_s_gpu']:,.0f}", f"{r['mfu']:.3f}", f"{r['step_ms']:.1f}",

@@ -165,6 +165,24 @@ def test_calls_inside_a_graph_epoch_alternate_buffers_per_workspace():
         "outside an epoch calls alternate too (two may be open at once) and keep both barriers"
 
 
+def test_symmetric_memory_held_counts_workspaces_outgrown_ones_and_kept_buffers_by_device(monkeypatch):
+    from types import SimpleNamespace
+
+    from tpflash.parallel import peer_workspace
+
+    def buffer(nbytes, device):
+        return SimpleNamespace(nbytes=nbytes, tensor=SimpleNamespace(device=torch.device(device)))
+
+    monkeypatch.setattr(peer_workspace, "_workspaces", {("group", "cuda:0"): buffer(1024, "cuda:0"),
+                                                        ("group", "cuda:1"): buffer(2048, "cuda:1")})
+    monkeypatch.setattr(peer_workspace, "_retired", [buffer(512, "cuda:0")])
+    monkeypatch.setattr(peer_workspace, "_kept", {1: {("group", "cuda:0", 4096): buffer(4096, "cuda:0")},
+                                                  2: {("group", "cuda:0", 256): buffer(256, "cuda:0")}})
+    assert peer_workspace.symmetric_bytes(torch.device("cuda:0")) == 1024 + 512 + 4096 + 256
+    assert peer_workspace.symmetric_bytes(torch.device("cuda:1")) == 2048
+    assert peer_workspace.symmetric_bytes() == 1024 + 2048 + 512 + 4096 + 256
+
+
 def test_a_graph_epoch_ends_with_one_barrier_on_every_workspace_it_used():
     from tpflash.parallel import peer_collectives
     twice, once, unused = _FakeWorkspace(), _FakeWorkspace(), _FakeWorkspace()

@@ -20,7 +20,7 @@ import contextlib
 import math
 import warnings
 import weakref
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -114,6 +114,14 @@ def kept_buffer(owner: torch.Tensor, group, device: torch.device, nbytes: int) -
                                "run the captured work once eagerly first (GraphedBlocks' warm-up does)")
         buffers[key] = _Workspace(group, device, nbytes)
     return buffers[key]
+
+
+def symmetric_bytes(device: Optional[torch.device] = None) -> int:
+    """Bytes of symmetric memory this process holds for the copy-engine collectives, on `device` (default:
+    every device): the workspaces (outgrown ones too, which stay mapped) and the kept buffers. The
+    caching allocator does not see them, so torch.cuda.max_memory_allocated leaves them out."""
+    buffers = list(_workspaces.values()) + _retired + [ws for owned in _kept.values() for ws in owned.values()]
+    return sum(ws.nbytes for ws in buffers if device is None or ws.tensor.device == device)
 
 
 def _slot_bytes(shape, dtype: torch.dtype) -> int:
