@@ -1,0 +1,92 @@
+"""TP efficiency on one host: tokens/s/GPU at tp=N over the same GPUs' own tp=1, from bench_e2e results.
+
+The GPUs of one host are not equally fast (each at its power cap, their own tp=1 steps differed by
+up to 2.5% on 4 H200s: docs/performance.md, "TP efficiency"), and a tp=N step runs at its slowest
+GPU's pace; set against one GPU's tp=1 alone, the efficiency moves with the GPU picked. So tp=1 runs
+on every GPU at once, each tp=N group on its own GPUs, and each group is set against the mean of its
+GPUs' tp=1. benchmarks/tp_efficiency.sh makes the launches (one call, in the order tp=max, tp=1 on
+every GPU, each smaller tp on every group of GPUs, tp=max again) and then runs
+
+    python3 benchmarks/tp_efficiency.py DIR
+
+on its results: DIR/tp{N}_gpus{a-b}.jsonl, one bench_e2e --results file per launch ({a-b}: the first
+and last GPU index of the launch, e.g. tp1_gpus2-2, tp4_gpus0-3; a second launch of the same GPUs
+adds a suffix: tp4_gpus0-3_b). Prints one markdown table per model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+from typing import Dict, List, Tuple
+
+_NAME = re.compile(r"^tp(\d+)_gpus(\d+)-(\d+)(?:_\w+)?\.jsonl$")
+
+
+def load(directory: str) -> List[dict]:
+    """Every result row of DIR's tp*_gpus*.jsonl files, each with its launch's `gpus` (first, last)."""
+    rows = []
+    for name in sorted(os.listdir(directory)):
+        match = _NAME.match(name)
+        if not match:
+            continue
+        tp, first, last = (int(g) for g in match.groups())
+        if last - first + 1 != tp:
+            raise ValueError(f"{name}: tp={tp} on GPUs {first}-{last} ({last - first + 1} GPUs)")
+        with open(os.path.join(directory, name)) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    if row.get("tp") != tp:
+                        raise ValueError(f"{name}: a row at tp={row.get('tp')} in a tp={tp} file")
+                    rows.append({**row, "gpus": (first, last)})
+    return rows
+
+
+def efficiencies(rows: List[dict], model: str) -> Tuple[Dict[int, float], List[Tuple[int, Tuple[int, int], float, float]]]:
+    """({gpu: its tp=1 tokens/s/GPU (mean over launches)}, [(tp, gpus, tokens/s/GPU, efficiency)] for
+    every tp > 1 launch of `model`, against the mean of its GPUs' tp=1). Raises ValueError where a
+    launch's GPU has no tp=1 row, or a row has an error or no tokens/s."""
+    mine = [r for r in rows if r.get("model") == model]
+    for r in mine:
+        if r.get("error") or not r.get("tok_s_gpu"):
+            raise ValueError(f"{model} at tp={r['tp']} on GPUs {r['gpus']}: no speed ({r.get('error', 'tok_s_gpu missing')})")
+    single: Dict[int, List[float]] = {}
+    for r in mine:
+        if r["tp"] == 1:
+            single.setdefault(r["gpus"][0], []).append(r["tok_s_gpu"])
+    tp1 = {gpu: statistics.mean(values) for gpu, values in sorted(single.items())}
+    out = []
+    for r in sorted((r for r in mine if r["tp"] > 1), key=lambda r: (r["tp"], r["gpus"])):
+        first, last = r["gpus"]
+        missing = [g for g in range(first, last + 1) if g not in tp1]
+        if missing:
+            raise ValueError(f"{model} at tp={r['tp']} on GPUs {first}-{last}: no tp=1 row for GPU {missing}")
+        reference = statistics.mean(tp1[g] for g in range(first, last + 1))
+        out.append((r["tp"], r["gpus"], r["tok_s_gpu"], r["tok_s_gpu"] / reference))
+    return tp1, out
+
+
+def table(rows: List[dict]) -> str:
+    """One markdown table per model: tp=1 on each GPU, then each tp > 1 launch and its efficiency."""
+    parts = []
+    for model in sorted({r["model"] for r in rows}):
+        tp1, launches = efficiencies(rows, model)
+        lines = [f"{model}, tp=1 tokens/s/GPU by GPU: " + ", ".join(f"{g}: {v:,.0f}" for g, v in tp1.items()), "",
+                 "| tp | GPUs | tokens/s/GPU | efficiency (against the mean of its GPUs' tp=1) |",
+                 "|---:|---|---:|---:|"]
+        lines += [f"| {tp} | {a}-{b} | {speed:,.0f} | {eff:.3f} |" for tp, (a, b), speed, eff in launches]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("directory", help="where benchmarks/tp_efficiency.sh wrote tp{N}_gpus{a-b}.jsonl")
+    print(table(load(p.parse_args().directory)))
+
+
+if __name__ == "__main__":
+    main()
