@@ -175,25 +175,26 @@ def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torc
 
 
 def _holds(held: Optional[HeldWork], weight_dtypes: Sequence[torch.dtype]) -> bool:
-    """Whether a weight gradient is held back for `held` (`_weight_grad_now_or_held`): where it holds
-    gradients now and every weight the gradient feeds is fp32, so that the gradient reaches them
-    without a cast that would read it before the held GEMM fills it."""
+    """Whether a weight gradient is held back for `held`: where it holds gradients now and every weight
+    the gradient feeds is fp32 (`_weight_grad_now_or_held`)."""
     return held is not None and held.holds_gradients and all(dt == torch.float32 for dt in weight_dtypes)
 
 
-def _weight_grad_now_or_held(hold_in: Optional[HeldWork], grad_y: torch.Tensor, x: torch.Tensor,
+def _weight_grad_now_or_held(held: Optional[HeldWork], grad_y: torch.Tensor, x: torch.Tensor,
+                             weight_dtypes: Sequence[torch.dtype],
                              main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The fp32 weight gradient grad_y^T x (grad_y [rows, out], x [rows, in]): computed now where
-    `hold_in` is None, else an unfilled [out, in] tensor that the GEMM held in it writes before
-    anything reads it (tpflash.parallel.held_work; the caller asks `_holds`). With `main_grad` the
-    GEMM adds into it (now or held), and main_grad is returned."""
-    if hold_in is None:
+    """The fp32 weight gradient grad_y^T x (grad_y [rows, out], x [rows, in]): computed now, or, where
+    `held` allows it, an unfilled [out, in] tensor that the held GEMM writes before anything reads it
+    (tpflash.parallel.held_work). Held only where every weight it feeds is fp32: the
+    gradient then reaches them without a cast that would read it early. With `main_grad` the GEMM adds
+    into it (now or held), and main_grad is returned."""
+    if not _holds(held, weight_dtypes):
         return weight_grad_fp32(grad_y, x, into=main_grad)
     if main_grad is not None:
-        hold_in.hold(lambda: weight_grad_fp32(grad_y, x, into=main_grad))
+        held.hold(lambda: weight_grad_fp32(grad_y, x, into=main_grad))
         return main_grad
     grad_w = torch.empty((grad_y.shape[1], x.shape[1]), dtype=torch.float32, device=grad_y.device)
-    hold_in.hold(lambda: weight_grad_fp32(grad_y, x, out=grad_w))
+    held.hold(lambda: weight_grad_fp32(grad_y, x, out=grad_w))
     return grad_w
 
 
@@ -311,7 +312,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             holding = gather is None and _holds(ctx.held, ctx.param_dtypes[:n])
             own = own_rows @ w_c if holding else None  # ... this rank's rows are multiplied, where nothing else is
             if gather is None:  # ... the weight gradient is computed (or held for a later layer's waits)
-                grad_w = _weight_grad_now_or_held(ctx.held if holding else None, grad_y, x_saved, ctx.main_grad)
+                grad_w = _weight_grad_now_or_held(ctx.held, grad_y, x_saved, ctx.param_dtypes[:n], ctx.main_grad)
             else:
                 grad_w = _weight_grad_with_gathered(gather, grad_y, gathered_is_grad=False, main_grad=ctx.main_grad)
             grad_w = split_or_none(ctx.main_grad, grad_w, ctx.sizes)
