@@ -239,7 +239,7 @@ def run_config(model_name: str, impl: str, args, ps) -> dict:
             row["note"] = "; ".join(filter(None, [row.get("note"), f"comm {peer_collectives.comm_backend()}"]))
         row.update(step_ms=1e3 * step_s, tok_s_gpu=tok_gpu,
                    mfu=tok_gpu * flops_per_token(shape, args) / (args.peak_tflops * 1e12),
-                   **_peak_gib(ps.device, build_peak))
+                   **_peak_gib(ps.device, build_peak, symmetric=impl.startswith("tpflash")))
     except Exception as exc:  # one failing configuration must not kill the table
         row["error"] = describe(exc)
     finally:
@@ -322,17 +322,18 @@ def flops_per_token(shape: dict, args) -> float:
     return 6.0 * (layers * (2 * d * d + 2 * d * kv + mlp) + args.vocab * d) + 12.0 * layers * d * args.seq
 
 
-def _peak_gib(device, build_peak: Optional[int]) -> Dict[str, float]:
+def _peak_gib(device, build_peak: Optional[int], symmetric: bool = False) -> Dict[str, float]:
     """The row's peak memory, the largest over the ranks: what tensors held over the whole row
     (`peak_gib`) and during the timed steps alone (`steps_peak_gib`; the rest is the build: warm-up
-    passes, graph capture), both with the symmetric memory of tpflash's copy-engine collectives
-    (`symmetric_gib`: workspaces and kept gathered inputs, which the caching allocator does not see),
-    and what the caching allocator reserved (`reserved_gib`: CUDA graphs' pools whole, also the parts
-    their replays use that no live tensor holds between them)."""
+    passes, graph capture), both with, for tpflash's rows (`symmetric`), the symmetric memory of its
+    copy-engine collectives (`symmetric_gib`: workspaces and kept gathered inputs, which the caching
+    allocator does not see; the workspaces outlive a row, so a peer's row leaves them out), and what
+    the caching allocator reserved (`reserved_gib`: CUDA graphs' pools whole, also the parts their
+    replays use that no live tensor holds between them)."""
     if device.type != "cuda":
         return {"peak_gib": float("nan")}
     steps = torch.cuda.max_memory_allocated(device)
-    symmetric = peer_workspace.symmetric_bytes(device)
+    symmetric = peer_workspace.symmetric_bytes(device) if symmetric else 0
     peak = torch.tensor([max(steps, build_peak or 0) + symmetric, steps + symmetric,
                          torch.cuda.max_memory_reserved(device), symmetric], dtype=torch.float64, device=device) / 2 ** 30
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
