@@ -56,6 +56,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tpflash  # noqa: E402
+from tpflash.kernels import gemm_workspace  # noqa: E402
 from tpflash.models import GPT, GPTConfig  # noqa: E402
 from tpflash.parallel import overlap, peer_collectives, peer_workspace  # noqa: E402
 
@@ -383,6 +384,9 @@ def parse_args(argv=None):
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="after timing, run one step under cProfile on rank 0 and print its N costliest "
                         "Python functions (host time: where a host-bound step goes)")
+    p.add_argument("--gemm-workspace", choices=gemm_workspace.CHOICES, default="auto",
+                   help="cuBLAS's workspace for the whole launch (tpflash.kernels.gemm_workspace): auto = the trainer's "
+                   "choice (none at tp > 1) where every row is tpflash's, else cuBLAS's default, as the peers' users run")
     p.add_argument("--table-only", action="store_true", help="print the table of --results and exit (no run)")
     args = p.parse_args(argv)
     if args.tiny:  # --models tiny-llama for the Llama family
@@ -436,6 +440,9 @@ def main(argv=None) -> None:
             else ["tpflash", "tpflash-nooverlap", "dtensor", "dtensor-compile", "torchtitan"])
     default = ",".join(["tpflash-graphs", *rest])
     impls = [_impl_and_dp_mode(spec, args.dp_mode) for spec in (args.impls or default).split(",")]
+    only_tpflash = all(impl.startswith("tpflash") for impl, _ in impls)
+    setting = "default" if args.gemm_workspace == "auto" and not only_tpflash else args.gemm_workspace
+    workspace = gemm_workspace.apply(setting, ps.tp_size, on_cuda=ps.device.type == "cuda")  # before any GEMM
     for name in args.models.split(","):
         if name not in MODELS:
             raise ValueError(f"{name!r} is not a model {sorted(MODELS)}")
@@ -448,6 +455,8 @@ def main(argv=None) -> None:
             if args.memory_limit_gib is not None:
                 rows[-1]["note"] = "; ".join(filter(None, [rows[-1].get("note"),
                                                            f"allocator capped at {args.memory_limit_gib:g} GiB"]))
+            if workspace not in (None, "default"):
+                rows[-1]["note"] = "; ".join(filter(None, [rows[-1].get("note"), f"cuBLAS workspace {workspace}"]))
             if ps.rank == 0:
                 print(f"[bench_e2e]   {json.dumps(rows[-1])}", flush=True)
                 with open(args.results, "a") as f:

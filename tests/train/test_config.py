@@ -29,6 +29,7 @@ def test_yaml_is_read_then_overridden(tmp_path):
     (["--dir=x"], "ambiguous: write one of checkpoint.dir, log.dir"),
     (["--train.steps=ten"], "cannot read 'ten' as int"),
     (["--dtype=fp8"], "'fp8' is not one of auto, bf16, fp32"),
+    (["--gemm_workspace=small"], "'small' is not one of auto, default, none"),
     (["--tp"], "--tp needs a value"),
     (["positional"], "unexpected argument 'positional'"),
 ])

@@ -1,6 +1,6 @@
 """The training configuration: dataclasses, loaded from YAML and overridden from the command line.
 
-A config has top-level keys (tp, dp, cp, cp_comm, seed, dtype, fsdp, cuda_graphs) and sections: `model` (a preset name
+A config has top-level keys (tp, dp, cp, cp_comm, seed, dtype, fsdp, cuda_graphs, gemm_workspace) and sections: `model` (a preset name
 or a Hugging Face model directory in `init_from`, and/or GPTConfig fields), `data`, `train` (optimisation and batch sizes),
 `checkpoint`, `log` and `dist` (how long a rank waits for the others).
 YAML mirrors that nesting. Command-line overrides are `--section.key=value` (or
@@ -138,7 +138,9 @@ class TrainConfig:
     "auto" (replay the model's blocks as CUDA graphs on CUDA at tp > 1, and at tp=1 with dp=1, when
     the model allows it: no FSDP, dropout 0; activation checkpointing is recomputed inside the graphs), "on" (also at tp=1 with
     dp > 1; an error if not allowed), "off". The world is dp * cp * tp ranks; cp > 1 splits every
-    sequence over cp ranks (attention through "ring" or "allgather" cp_comm) and needs unpacked data."""
+    sequence over cp ranks (attention through "ring" or "allgather" cp_comm) and needs unpacked data.
+    gemm_workspace: cuBLAS's scratch memory, "auto" (none at tp > 1: no memset before each GEMM),
+    "default" or "none" (tpflash.kernels.gemm_workspace; CUBLAS_WORKSPACE_CONFIG, where set, is kept)."""
 
     tp: int = 1
     dp: int = -1
@@ -148,6 +150,7 @@ class TrainConfig:
     dtype: str = "auto"
     fsdp: str = "auto"
     cuda_graphs: str = "auto"
+    gemm_workspace: str = "auto"
     model: Dict[str, Any] = field(default_factory=dict)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainSection = field(default_factory=TrainSection)
@@ -161,6 +164,7 @@ class TrainConfig:
 
 SECTIONS = {f.name: f for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory)}
 _CHOICES = {"dtype": ("auto", "bf16", "fp32"), "cp_comm": ("ring", "allgather"), "fsdp": ("auto", "off", "zero1", "zero3", "on"), "cuda_graphs": ("auto", "on", "off"),
+            "gemm_workspace": ("auto", "default", "none"),
             "data.format": ("auto", "text", "uint16", "uint32", "jsonl"), "train.fused_adam": ("auto", "on", "off"),
             "log.progress": ("auto", "bar", "lines", "none"), "log.tensorboard": ("auto", "on", "off"),
             "checkpoint.on_corrupt": ("fallback", "error")}

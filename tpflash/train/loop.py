@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .. import parallel
 from ..checkpoint import directory
+from ..kernels import gemm_workspace
 from ..kernels.fp8 import check_fp8_device
 from . import build, packing, watchdog
 from .fingerprint import job_fingerprint
@@ -40,6 +41,7 @@ class Trainer:
         check_values(cfg)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = parallel.check_layout(world, cfg.tp, cfg.dp, cfg.cp)
+        self.gemm_workspace = gemm_workspace.apply(cfg.gemm_workspace, cfg.tp)  # before the process's first GEMM (CUDA)
         self.plan = build.plan_batches(cfg.train, dp)
         check_logging(cfg.log)
         if config_cls is None or model_cls is None:
@@ -349,6 +351,7 @@ class Trainer:
         out.note(f"layout: tp={ps.tp_size}{cp} dp={ps.dp_size} (world {ps.world_size}, {self.device.type}), "
                  f"fsdp={self.dp_mode}{self.dp_mode_why}, compute dtype {self.amp_dtype or torch.float32}"
                  f"{'' if fp8 == 'off' else f' (fp8 {fp8} GEMMs)'}, cuda graphs {self.cuda_graphs_why}"
+                 f"{'' if self.gemm_workspace is None else f', cuBLAS workspace {self.gemm_workspace}'}"
                  f"{', with the dp collectives of zero1' if self.zero is not None and self.zero.graph_sync else ''}"
                  f"{', with the dp collectives of zero3' if self.zero3 is not None and self.cuda_graphs else ''}")
         out.note(f"model: {params / 1e6:.2f}M parameters, seq {self.seq_len}; batch {plan.batch_size} = dp {plan.dp}"
