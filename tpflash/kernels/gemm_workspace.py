@@ -5,8 +5,9 @@ that schedule their tiles dynamically and need a counter zeroed before each call
 before every such GEMM, which in a CUDA graph is one more node in the stream's chain, with a gap on
 either side of it. Without a workspace it picks statically scheduled variants of the same kernels,
 no memset. At tp > 1 the blocks run each GEMM as one piece per rank's rows, and the gaps add up:
-without a workspace gpt-2.7b and llama-1b ran 1.5% and 1.0% faster at tp=2 on two H200s, while
-llama-1b at tp=1 ran 1.7% slower (docs/performance.md, "The GEMMs' workspace").
+without a workspace gpt-2.7b's and llama-1b's tp=2 steps on two H200s ran 1.1-1.5% and 0.7-1.0%
+faster; at tp=1 the differences stayed within the steps' spread from launch to launch, so "auto"
+leaves tp=1 alone (docs/performance.md, "The GEMMs' workspace").
 
 The size comes from `CUBLAS_WORKSPACE_CONFIG` (":0:0": none), which torch reads once per process,
 at its first cuBLAS call: `apply` must run before the process's first GEMM. A value the

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from .. import configs as packaged_configs
+from ..kernels.gemm_workspace import CHOICES as GEMM_WORKSPACE_CHOICES
 
 
 def _model_keys() -> tuple:
@@ -164,7 +165,7 @@ class TrainConfig:
 
 SECTIONS = {f.name: f for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory)}
 _CHOICES = {"dtype": ("auto", "bf16", "fp32"), "cp_comm": ("ring", "allgather"), "fsdp": ("auto", "off", "zero1", "zero3", "on"), "cuda_graphs": ("auto", "on", "off"),
-            "gemm_workspace": ("auto", "default", "none"),
+            "gemm_workspace": GEMM_WORKSPACE_CHOICES,
             "data.format": ("auto", "text", "uint16", "uint32", "jsonl"), "train.fused_adam": ("auto", "on", "off"),
             "log.progress": ("auto", "bar", "lines", "none"), "log.tensorboard": ("auto", "on", "off"),
             "checkpoint.on_corrupt": ("fallback", "error")}
