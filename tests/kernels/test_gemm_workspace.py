@@ -66,3 +66,10 @@ def test_apply_off_cuda_checks_the_setting_and_touches_nothing(monkeypatch):
     assert ENV not in gemm_workspace.os.environ
     with pytest.raises(ValueError, match="must be one of"):
         apply("small", 2, on_cuda=False)
+
+
+def test_apply_warns_where_cuda_may_have_run_a_gemm_already(monkeypatch):
+    _without_env(monkeypatch)
+    monkeypatch.setattr(gemm_workspace.torch.cuda, "is_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="CUDA was initialised before CUBLAS_WORKSPACE_CONFIG was set"):
+        assert apply("auto", 2, on_cuda=True) == "none"

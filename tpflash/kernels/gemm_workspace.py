@@ -16,6 +16,7 @@ environment already holds (e.g. ":4096:8" for deterministic algorithms) is the u
 from __future__ import annotations
 
 import os
+import warnings
 from typing import MutableMapping, Optional
 
 import torch
@@ -56,6 +57,9 @@ def apply(setting: str, tp: int, on_cuda: Optional[bool] = None) -> Optional[str
     if not (torch.cuda.is_available() if on_cuda is None else on_cuda):
         return None
     if value is not None:
+        if torch.cuda.is_initialized():
+            warnings.warn(f"gemm_workspace={setting!r}: CUDA was initialised before {ENV} was set; it takes effect "
+                          "only if this process has run no GEMM yet", stacklevel=2)
         os.environ[ENV] = value
     held = os.environ.get(ENV)
     return "default" if held is None else "none" if held == NO_WORKSPACE else f"{ENV}={held}"
