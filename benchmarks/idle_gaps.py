@@ -13,16 +13,17 @@ prints the step's span and idle time (us) and the largest groups: total us, gaps
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
+import os
 import re
+import sys
 from collections import Counter
 from typing import Dict, List, Tuple
 
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tp_stretches import BACKWARD, FORWARD  # noqa: E402
+from trace_lag import GPU_CATS, load  # noqa: E402
+
 WAITS = r"PtoP|barrier_kernel|wait_signal|put_signal|nccl"  # transfers and waits: no compute
-FORWARD = r"flash_fprop|_attn_fwd_kernel"
-BACKWARD = r"flash_bprop|_attn_dkdv_kernel"
 # short names for the kernel families a step is made of; anything else: its name up to the first "<" or "("
 FAMILIES = ((r"nvjet|gemm|cutlass", "GEMM"), (FORWARD, "attention forward"), (BACKWARD, "attention backward"),
             (r"Memset", "memset"), (r"PtoP", "peer copy"), (r"barrier_kernel", "barrier"), (r"nccl", "NCCL"),
@@ -31,11 +32,7 @@ FAMILIES = ((r"nvjet|gemm|cutlass", "GEMM"), (FORWARD, "attention forward"), (BA
 
 def gpu_events(path: str) -> List[dict]:
     """The trace's GPU events (kernels, copies, memsets), sorted by start; .json or .json.gz."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e),
-                  key=lambda e: e["ts"])
+    return sorted((e for e in load(path) if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
 
 
 def one_step(events: List[dict]) -> List[dict]:
