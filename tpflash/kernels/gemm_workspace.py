@@ -6,8 +6,9 @@ before every such GEMM, which in a CUDA graph is one more node in the stream's c
 either side of it. Without a workspace it picks statically scheduled variants of the same kernels,
 no memset. At tp > 1 the blocks run each GEMM as one piece per rank's rows, and the gaps add up:
 without a workspace gpt-2.7b's and llama-1b's tp=2 steps on two H200s ran 1.1-1.5% and 0.7-1.0%
-faster; at tp=1 the differences stayed within the steps' spread from launch to launch, so "auto"
-leaves tp=1 alone (docs/performance.md, "The GEMMs' workspace").
+faster (at tp=4, where the steps wait on the copy engines, the same within the launches' spread); at
+tp=1 the differences stayed within the steps' spread from launch to launch, so "auto" leaves tp=1
+alone (docs/performance.md, "The GEMMs' workspace").
 
 The size comes from `CUBLAS_WORKSPACE_CONFIG` (":0:0": none), which torch reads once per process,
 at its first cuBLAS call: `apply` must run before the process's first GEMM. A value the
