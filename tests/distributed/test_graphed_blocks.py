@@ -58,7 +58,16 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
             calls.append(1)
             super().__init__(*args, **kwargs)
 
+    parted = []  # how many parts each copy-engine reduce-scatter left unsummed for the next norm
+    real_parts = peer_collectives.PeerReduceScatter.finish_parts
+
+    def finish_parts(self, own):
+        parts = real_parts(self, own)
+        parted.append(len(parts))
+        return parts
+
     peer_collectives.PeerAllGather = Counted
+    peer_collectives.PeerReduceScatter.finish_parts = finish_parts
     try:
         overlap.set_overlap(graphed, overlap_on)  # None: the capture decides
         overlap.set_overlap(eager, True if overlap_eager else None)
@@ -69,6 +78,11 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
             _train(graphed, eager, device, steps, micro_batches, cpu_tol, accumulate_grads)
     finally:
         peer_collectives.PeerAllGather = real
+        peer_collectives.PeerReduceScatter.finish_parts = real_parts
+    if device.type == "cuda" and tp > 1 and sequence_parallel and graphed._graphed_blocks.overlapped:
+        # inside the capture the row layers' parts go to the next norm unsummed, and only there
+        assert max(parted, default=0) == tp, f"the captured reduce-scatters handed {parted} parts, not {tp}"
+        assert parted.count(tp) <= 2 * len(graphed.blocks) - 1, f"parts handed outside the capture: {parted}"
     if device.type == "cuda" and tp > 1 and sequence_parallel and comm_backend != "nccl":
         # captured collectives, serial or overlapped, go through the copy engines on GPUs with peer
         # access (test machines)

@@ -307,6 +307,60 @@ def test_block_with_overlap_matches_overlap_off(ranks, tp, mlp, n_kv_head):
     ranks(tp).run(block_on_off_body, tp, mlp, n_kv_head)
 
 
+def _split_as_received(own_and_sum):
+    """A stand-in for the copy engines' unsummed parts on the group's collectives: the sum's parts
+    [own, sum - own], from the reduce-scatter's finish."""
+    def finish_parts(self, own):
+        total = self.finish(own)
+        return [own, total - own]
+    return finish_parts
+
+
+def block_parts_body(tp):
+    """Blocks whose row layers hand the next norm their reduce-scatter's parts (the output projection's to
+    mlp_norm; with hand_output_parts, the MLP's to the next block's attn_norm) compute what blocks
+    handing over the sums compute, forward and backward."""
+    from tpflash.layers import ParallelTransformerBlock
+    ps = init_tp(tp)
+    dtype = work_dtype(ps.device)
+    torch.manual_seed(0)
+    blocks = [ParallelTransformerBlock(IN, 4, 2, mlp="swiglu", norm="rmsnorm", position="rotary",
+                                       sequence_parallel=True, device=ps.device, dtype=dtype) for _ in range(2)]
+    for block in blocks:
+        overlap.set_overlap(block, True)
+    x_local = _randn(ps, dtype, SEQ, BATCH, IN)[_rows(ps, tp)]
+    grad_y = _randn(ps, dtype, SEQ // tp, BATCH, IN, seed=ps.tp_rank)
+    handed = []
+
+    def run():
+        x = x_local.clone().requires_grad_()
+        out, residual = blocks[0](x)
+        handed.append(isinstance(out, tuple))
+        out, residual = blocks[1](out, residual)
+        (out + residual).backward(grad_y)
+        grads = {f"{i}.{n}": p.grad.clone() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
+        for block in blocks:
+            block.zero_grad()
+        return (out + residual).detach(), x.grad, grads
+
+    summed = run()
+    real = overlap_gemms._GroupReduceScatter.finish_parts
+    overlap_gemms._GroupReduceScatter.finish_parts = _split_as_received(real)
+    blocks[0].hand_output_parts(True)
+    try:
+        parted = run()
+    finally:
+        overlap_gemms._GroupReduceScatter.finish_parts = real
+        blocks[0].hand_output_parts(False)
+    assert handed == [False, True], f"the first block's output should come as parts only when handed: {handed}"
+    _same(parted, summed, f"blocks handing parts, tp={tp}")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_blocks_handing_the_reduce_scatters_parts_to_the_next_norm_match_blocks_handing_sums(ranks, tp):
+    ranks(tp).run(block_parts_body, tp)
+
+
 def all_bodies(tp):
     """Every check above in one rank process: on CPU over gloo's collectives (the Functions' stand-ins),
     on GPUs through peer memory, where the copy engines must have carried the transfers."""

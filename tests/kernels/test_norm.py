@@ -184,3 +184,59 @@ def test_the_fused_add_normalises_the_residual_it_returns(backend, rms):
         assert torch.equal(y, norm(new_residual))
     if backend == "reference":  # (Triton's CPU interpreter rounds fp32 to bf16 its own way)
         assert torch.equal(new_residual, x + r)
+
+
+def _parts_check(rms, n_parts, device):
+    """x given as parts (bf16, as a reduce-scatter leaves them) with an fp32 residual: y and the new
+    residual are those of the parts' fp32 sum, and only the first part gets a gradient, x's."""
+    torch.manual_seed(4)
+    shape = (6, 5, 48)
+    parts = [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(n_parts)]
+    r = torch.randn(shape, device=device)
+    w = (1 + 0.1 * torch.randn(48, device=device))
+    b = None if rms else 0.1 * torch.randn(48, device=device)
+    fn = (lambda x, residual: rms_norm(x, w, residual=residual)) if rms else \
+        (lambda x, residual: layer_norm(x, w, b, residual=residual))
+    xs = [parts[0].clone().requires_grad_()] + parts[1:]
+    rs = r.clone().requires_grad_()
+    y, res = fn(xs, rs)
+    summed = parts[0].float()
+    for p in parts[1:]:
+        summed = summed + p.float()
+    x_ref, r_ref = summed.requires_grad_(), r.clone().requires_grad_()
+    y_ref, res_ref = fn(x_ref, r_ref)
+    assert y.dtype == torch.bfloat16 and res.dtype == torch.float32
+    assert_rel(res, res_ref, torch.float32, "new_residual")
+    assert_rel(y, y_ref.to(torch.bfloat16), torch.bfloat16, "y")
+    dy = torch.randn(shape, device=device)
+    (y.float() * dy).sum().backward()
+    (y_ref.to(torch.bfloat16).float() * dy).sum().backward()
+    assert xs[0].grad.dtype == torch.bfloat16
+    assert_rel(xs[0].grad, x_ref.grad.to(torch.bfloat16), torch.bfloat16, "dx")
+    assert_rel(rs.grad, r_ref.grad, torch.float32, "dresidual")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n_parts", [2, 4])
+def test_norm_adds_the_parts_of_x(rms, n_parts):
+    _parts_check(rms, n_parts, "cpu")
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_adds_the_parts_of_x_on_the_reference(rms):
+    with use_backend("reference"):
+        _parts_check(rms, 3, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n_parts", [2, 4])
+def test_norm_adds_the_parts_of_x_on_gpu(rms, n_parts):
+    _parts_check(rms, n_parts, DEVICE)
+
+
+def test_norm_parts_of_another_shape_are_refused():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="part 1 is"):
+        layer_norm([x, torch.randn(4, 9)], torch.ones(8), residual=x)

@@ -1,7 +1,7 @@
 """Public LayerNorm / RMSNorm with an optional fused residual add: checks and dispatch."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -19,34 +19,60 @@ def _check_norm_inputs(x, weight, bias, residual) -> None:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
 
 
-def _norm(x, weight, bias, eps, residual, rms: bool, out_dtype: Optional[torch.dtype]):
+Parts = Union[torch.Tensor, Sequence[torch.Tensor]]  # x, or parts whose sum is x
+
+
+def _parts_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + parts[1] + ... in fp32 (float64 stays), in order; differentiable in parts[0] only (the
+    kernel's rule)."""
+    total = parts[0].to(torch.promote_types(parts[0].dtype, torch.float32))
+    for part in parts[1:]:
+        total = total + part.detach()
+    return total
+
+
+def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[torch.dtype]):
+    parts = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    for i, part in enumerate(parts):
+        if part.shape != parts[0].shape or part.device != parts[0].device:
+            raise ValueError(f"x's part {i} is {tuple(part.shape)} on {part.device}; every part must be "
+                             f"{tuple(parts[0].shape)} on {parts[0].device}")
+    x = parts[0]
     _check_norm_inputs(x, weight, bias, residual)
     if dispatch.pick(x) == "triton":
-        from .norm_kernels import triton_norm
-        y, new_residual = triton_norm(x, weight, bias, eps, residual, rms, out_dtype)
-        return y if residual is None else (y, new_residual)
+        from .norm_kernels import MAX_PARTS, triton_norm
+        if len(parts) == 1 or (residual is not None and len(parts) <= MAX_PARTS):
+            y, new_residual = triton_norm(x, weight, bias, eps, residual, rms, out_dtype, more=parts[1:])
+            return y if residual is None else (y, new_residual)
+    if len(parts) > 1:  # the sum in fp32, normalised as the kernel does; y in the first part's dtype
+        out_dtype = out_dtype or x.dtype
+        x = _parts_sum(parts)
     out = rms_norm_reference(x, weight, eps, residual) if rms else layer_norm_reference(x, weight, bias, eps, residual)
     if out_dtype is None:
         return out
     return out.to(out_dtype) if residual is None else (out[0].to(out_dtype), out[1])
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
+def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
                residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None):
     """LayerNorm over the last dim of x [..., n] with fp32 statistics; weight/bias [n].
 
     Returns y (x's dtype, or `out_dtype`: the fp32 result rounded once, as a later cast would), or
     with `residual` (shaped like x) the pair (y, new_residual) where new_residual = x + residual
     (residual's dtype) and y = LayerNorm(new_residual). Differentiable in x, residual, weight and bias.
+    x may also be a tuple of same-shaped parts whose sum it is (a reduce-scatter's, unsummed: the
+    overlapped RowParallelLinear's `output_parts`): they are added in fp32, in order, inside the
+    kernel (with a residual, up to four parts) and never rounded on their own; only the first part
+    gets a gradient (the others are other ranks' contributions, whose gradients their ranks compute).
     """
     return _norm(x, weight, bias, eps, residual, False, out_dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
+def rms_norm(x: Parts, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
              out_dtype: Optional[torch.dtype] = None):
     """RMSNorm x * rsqrt(mean(x^2) + eps) * weight over the last dim, fp32 statistics.
 
-    Same residual and `out_dtype` conventions as `layer_norm`: with `residual`, returns
+    Same residual, parts and `out_dtype` conventions as `layer_norm`: with `residual`, returns
     (RMSNorm(x + residual), x + residual).
     """
     return _norm(x, weight, None, eps, residual, True, out_dtype)

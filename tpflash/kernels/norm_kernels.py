@@ -1,7 +1,10 @@
 """Triton LayerNorm / RMSNorm with fused residual add: forward, backward and autograd.Function.
 
 One flag (RMS) selects RMSNorm (no mean, no bias); one flag (HAS_RESIDUAL) fuses h = x + residual,
-whose value is written out as the new residual and normalised in fp32. Forward: one program per
+whose value is written out as the new residual and normalised in fp32. With a residual, x may come
+as up to four parts whose sum it is (PARTS: a reduce-scatter's own and received parts, left unsummed
+by the layer that made them), added in fp32, in order, before the residual: the sum is never
+written on its own. Only the first part is differentiable. Forward: one program per
 row. Backward: one program per SM, each walking its own rows in tiles of ROWS rows (loads of
 several rows in flight, the next tile prefetched when STAGES > 1); programs keep their
 dweight/dbias partial sums in fp32 registers, and a final torch sum over programs reduces them
@@ -24,12 +27,18 @@ from .dispatch import interpreting
 
 
 @triton.jit
-def _norm_fwd_kernel(X, RES, W, B, Y, RES_OUT, MEAN, RSTD, n, eps, BLOCK: tl.constexpr, RMS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _norm_fwd_kernel(X, X1, X2, X3, RES, W, B, Y, RES_OUT, MEAN, RSTD, n, eps, BLOCK: tl.constexpr,
+                     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     h = tl.load(X + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:  # x = X + X1 (+ X2 + X3), added in fp32 in this order
+        h += tl.load(X1 + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 2:
+        h += tl.load(X2 + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 3:
+        h += tl.load(X3 + row * n + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # the sum is normalised as stored (rounded to the residual's dtype), as the backward sees it
         h += tl.load(RES + row * n + cols, mask=mask, other=0.0).to(tl.float32)
         h = h.to(RES_OUT.dtype.element_ty)
@@ -172,22 +181,31 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, l
     return dx, sums[0].to(weight.dtype), dbias, dx_low
 
 
+MAX_PARTS = 4  # x's parts the forward kernel adds
+
+
 class _TritonNorm(torch.autograd.Function):
+    """y = norm(x (+ residual)); x's further parts (`more`, with a residual only) are added to x first
+    and get no gradient."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, rms, out_dtype):
+    def forward(ctx, x, weight, bias, residual, eps, rms, out_dtype, *more):
         n = x.shape[-1]
         x2 = x.reshape(-1, n).contiguous()
         rows = x2.shape[0]
+        parts = [p.reshape(-1, n).contiguous() for p in more]
         res2 = residual.reshape(-1, n).contiguous() if residual is not None else None
         y = torch.empty_like(x2, dtype=out_dtype or x.dtype)
         res_out = torch.empty_like(res2) if residual is not None else None
         mean = torch.empty(rows, device=x.device, dtype=torch.float32)
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
         block, warps = _launch_shape(n)
-        _norm_fwd_kernel[(rows,)](x2, res2, weight, bias, y, res_out, mean, rstd, n, eps, BLOCK=block, RMS=rms,
-                                  HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, num_warps=warps)
+        extra = parts + [x2] * (MAX_PARTS - 1 - len(parts))  # unused pointers: any tensor
+        _norm_fwd_kernel[(rows,)](x2, *extra, res2, weight, bias, y, res_out, mean, rstd, n, eps, BLOCK=block, RMS=rms,
+                                  HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+                                  PARTS=1 + len(parts), num_warps=warps)
         ctx.save_for_backward(res_out if residual is not None else x2, weight, bias, mean, rstd)
-        ctx.rms, ctx.has_residual, ctx.x_dtype = rms, residual is not None, x.dtype
+        ctx.rms, ctx.has_residual, ctx.x_dtype, ctx.more_parts = rms, residual is not None, x.dtype, len(more)
         ctx.shape = x.shape
         res_shaped = res_out.reshape(x.shape) if residual is not None else None
         return y.reshape(x.shape), res_shaped
@@ -206,11 +224,16 @@ class _TritonNorm(torch.autograd.Function):
                                                     h.dtype if ctx.has_residual else ctx.x_dtype,
                                                     low_dtype=ctx.x_dtype if x_low else None)
         dx = dx.reshape(ctx.shape)
+        more = (None,) * ctx.more_parts
         if ctx.has_residual:
-            return dx_low.reshape(ctx.shape) if x_low else dx, dweight, dbias, dx, None, None, None
-        return dx, dweight, dbias, None, None, None, None
+            return (dx_low.reshape(ctx.shape) if x_low else dx, dweight, dbias, dx, None, None, None) + more
+        return (dx, dweight, dbias, None, None, None, None) + more
 
 
-def triton_norm(x, weight, bias, eps: float, residual, rms: bool, out_dtype=None):
-    """(y, new_residual or None) from the Triton kernels; see tpflash.kernels.layer_norm."""
-    return _TritonNorm.apply(x, weight, bias, residual, eps, rms, out_dtype)
+def triton_norm(x, weight, bias, eps: float, residual, rms: bool, out_dtype=None, more=()):
+    """(y, new_residual or None) from the Triton kernels; see tpflash.kernels.layer_norm. `more`: x's
+    further parts (with a residual; up to MAX_PARTS in all), added to x first, given no gradient."""
+    if more and (residual is None or len(more) >= MAX_PARTS):
+        raise ValueError(f"triton_norm: x's further parts need a residual and at most {MAX_PARTS} parts in all "
+                         f"(got {1 + len(more)}, residual={'given' if residual is not None else 'None'})")
+    return _TritonNorm.apply(x, weight, bias, residual, eps, rms, out_dtype, *more)

@@ -57,7 +57,8 @@ class ParallelTransformerBlock(nn.Module):
     forward(x, residual=None) -> (out, residual): the residual stream after the block is
     out + residual (residual=None on the first block means x is the whole stream); finish the
     last block with `final_norm(out, residual)`. Layout: [seq, batch, hidden], or
-    [seq/tp, batch, hidden] with sequence_parallel.
+    [seq/tp, batch, hidden] with sequence_parallel. x may be a tuple of parts whose sum it is (a
+    previous block's `out` under `hand_output_parts`), which attn_norm adds.
     checkpoint: None, "activation" (remake the MLP activation's output in the backward, one elementwise
     pass, instead of keeping it: ParallelMLP's recompute_activation), "full" (recompute the whole block
     in backward), "mlp" (recompute the MLP only, whose [seq, batch, ffn/tp] activations are the block's
@@ -107,6 +108,18 @@ class ParallelTransformerBlock(nn.Module):
         # work the output projection runs while its transfers travel (tpflash.parallel.held_work)
         self.held_work = HeldWork()
         self.mlp.held_work = self.attn.o_proj.held_work = self.held_work
+        # the output projection's reduce-scatter summed by mlp_norm's kernel, where nothing else reads
+        # its output: no dropout on it, and no recomputation of it that would need the sum
+        self.norm_sums_parts = not dropout and checkpoint in (None, "activation")
+        self.attn.o_proj.output_parts = self.norm_sums_parts
+
+    def hand_output_parts(self, enabled: bool) -> None:
+        """Whether forward may return `out` as a tuple of parts whose sum it is (the MLP's reduce-scatter
+        left unsummed on the overlapped path inside a CUDA graph capture), for a caller whose next
+        norm adds them at once (the next block's attn_norm, where that block recomputes nothing of its
+        forward: its `norm_sums_parts`); only where this block leaves its own output projection's
+        parts to its norm (no dropout, no recomputation). GraphedBlocks sets it for its capture."""
+        self.mlp.down_proj.output_parts = enabled and self.norm_sums_parts
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return self.rng_tracker.dropout(x, self.dropout, sharded=self.sequence_parallel, training=self.training)
@@ -160,8 +173,9 @@ class ParallelTransformerBlock(nn.Module):
         # One all-reduce for the block's partial gradients instead of one per norm and row bias (at tp=2
         # each cost ~30 us of a serial chain), and one multi-tensor cast of its weights instead of ~10
         # cast kernels (docs/architecture.md, "Layers and data flow"). Outer scopes (GraphedBlocks) take precedence.
+        first = x[0] if isinstance(x, tuple) else x  # x may be parts (hand_output_parts)
         with comm.tp_grad_bucket(self.tp_partial_grad_parameters(), self.process_group), \
-                weight_casts.cast_once(self.weight_cast_groups(), weight_casts.compute_dtype(x)):
+                weight_casts.cast_once(self.weight_cast_groups(), weight_casts.compute_dtype(first)):
             if residual is None:
                 h, residual = self.attn_norm(x), x
             else:

@@ -193,7 +193,7 @@ class GraphedBlocks:
         self.backward_generation = 0
         group = getattr(self.blocks[0], "process_group", None)
         decision = overlap.capture_decision(sample_x, group)  # the default path, decided once per capture
-        with overlap.overlapping_for_capture(self.blocks, decision) as overlapped:
+        with overlap.overlapping_for_capture(self.blocks, decision) as overlapped, self._handing_parts_on():
             self.overlapped = overlapped
             self._capture(device)
         if self.main_grads is not None:  # the weights whose layers added into main_grad returned nothing
@@ -220,6 +220,22 @@ class GraphedBlocks:
         self.static_grad_out = tuple(torch.empty_like(o) for o in self.outputs)
         with _autocast(device.type, NO_AUTOCAST):
             self.bwd_graph.capture(self._backward)
+
+    @contextlib.contextmanager
+    def _handing_parts_on(self):
+        """For the capture, every block but the last hands its output to the next block's norm as the
+        reduce-scatter's parts, unsummed (ParallelTransformerBlock.hand_output_parts), where that norm
+        adds them at once (a block that recomputes its forward later would read them after the
+        buffers they lie in were written again): the stack's own outputs stay whole tensors."""
+        handing = [b for b, nxt in zip(self.blocks, self.blocks[1:])
+                   if hasattr(b, "hand_output_parts") and getattr(nxt, "norm_sums_parts", False)]
+        for block in handing:
+            block.hand_output_parts(True)
+        try:
+            yield
+        finally:
+            for block in handing:
+                block.hand_output_parts(False)
 
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ all-reduce backward), which sums the partials, the same way RowParallelLinear tr
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,8 @@ class ParallelNorm(nn.Module):
     """y = norm(x) * weight (+ bias) over the last dim; `kind` is "layernorm" or "rmsnorm".
 
     forward(x) -> y, or forward(x, residual) -> (norm(x + residual), x + residual): the
-    pre-norm residual add fused into the norm kernel. x: [*, dim] (under SP: [seq/tp, batch, dim]).
+    pre-norm residual add fused into the norm kernel. x: [*, dim] (under SP: [seq/tp, batch, dim]),
+    or a tuple of parts whose sum it is (a row layer's `output_parts`), added by the same kernel.
     State-dict keys equal nn.LayerNorm's ("weight", "bias") / an RMSNorm's ("weight").
     autocast_output: under autocast, y comes out in the autocast dtype, rounded once from fp32, which
     is what the next linear layer would cast it to; that saves the cast's pass and its gradient's
@@ -60,12 +61,13 @@ class ParallelNorm(nn.Module):
         """The parameters whose gradient each tp rank holds only a part of: under SP, weight and bias."""
         return [p for p in (self.weight, self.bias) if p is not None] if self.sequence_parallel else []
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    def forward(self, x: Union[torch.Tensor, Sequence[torch.Tensor]], residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         weight, bias = self._params()
+        first = x[0] if isinstance(x, (tuple, list)) else x
         out_dtype = None
-        if self.autocast_output and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-            out_dtype = torch.get_autocast_dtype(x.device.type)
+        if self.autocast_output and first.is_floating_point() and torch.is_autocast_enabled(first.device.type):
+            out_dtype = torch.get_autocast_dtype(first.device.type)
         if self.kind == "layernorm":
             return kernels.layer_norm(x, weight, bias, self.eps, residual, out_dtype)
         return kernels.rms_norm(x, weight, self.eps, residual, out_dtype)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -150,8 +150,8 @@ def keeps_gathered_input(save_gathered_input: Optional[bool]) -> bool:
 
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
-                          bias: Optional[torch.Tensor] = None,
-                          held: Optional[HeldWork] = None) -> torch.Tensor:
+                          bias: Optional[torch.Tensor] = None, held: Optional[HeldWork] = None,
+                          parts: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
     """reduce_scatter_along_seq(F.linear(h, weight)) + bias, the GEMMs overlapped with the reduce-scatter.
 
     h: [s, b, in/tp] (sequence-first); weight: [out, in/tp]; bias: [out] or None, added once per
@@ -159,7 +159,10 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
     needs its gradient summed over tp, e.g. through comm.copy_to_tp_region); returns this rank's
     summed tokens [s/tp, b, out]. held: work held for this layer's waits (tpflash.parallel.held_work),
     run in the forward while the last parts travel and in the backward while the peers' parts of
-    grad_y do.
+    grad_y do. parts: where the transfers go through the copy engines inside a graph capture
+    (peer_collectives.PeerReduceScatter.finish_parts), return the sum's parts unsummed, a tuple
+    [s/tp, b, out] each, this rank's own first (the only one with a gradient), for a consumer that
+    adds them in its own pass (kernels.layer_norm / rms_norm take them as x); elsewhere the sum.
     Raises ValueError, before any collective, when s is not divisible by tp or the bias has the
     wrong size. Process group: `group`.
     """
@@ -171,4 +174,5 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the weight {tuple(weight.shape)}: "
                          f"it must be [{weight.shape[0]}] (one value per output feature)")
-    return _RowLinearOverPeers.apply(h, weight, bias, group, held)
+    ys = _RowLinearOverPeers.apply(h, weight, bias, group, held, parts)
+    return ys if len(ys) > 1 else ys[0]

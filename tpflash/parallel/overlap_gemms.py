@@ -15,7 +15,8 @@ tpflash.parallel.overlap's entry points, and the GEMMs and transfers they are ma
   row forward      y = reduce_scatter(h @ W^T) + b         the same sends (the first peer's rows in two
                    GEMMs where the GEMM is shorter than its transfer, so that the transfer starts
                    early; the own rows' GEMM, which adds the bias, and any work held for this
-                   layer, tpflash.parallel.held_work, cover the last transfers)
+                   layer, tpflash.parallel.held_work, cover the last transfers); y summed, or
+                   left as its parts for the next norm to add (`parts`: inside a graph capture)
   row backward     grad_h = all_gather(grad_y) @ W,         as the column forward (GEMMs held back from an
                    grad_W = all_gather(grad_y)^T h           earlier layer run after this rank's rows, while
                                                             the peers' travel), then the weight gradient in
@@ -118,6 +119,9 @@ class _GroupReduceScatter:
     def finish_matmul(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.finish(a @ w)
 
+    def finish_parts(self, own: torch.Tensor) -> List[torch.Tensor]:
+        return [self.finish(own)]
+
 
 def _all_gather(x: torch.Tensor, group, keep: bool = True, whole: bool = False,
                 owner: Optional[torch.Tensor] = None):
@@ -218,14 +222,16 @@ def _weight_grad_with_gathered(gather, other: torch.Tensor, gathered_is_grad: bo
 
 
 def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None,
-                      held: Optional[HeldWork] = None) -> torch.Tensor:
-    """reduce_scatter(a @ w) + bias: a [world*m, k], w [k, n], bias [n] -> this rank's summed rows [m, n];
-    the rows due to each peer are sent while the next rows are multiplied, and the work `held` for
-    this layer runs while the last of them travel. See `_send_parts` for the split form."""
+                      held: Optional[HeldWork] = None, parts: bool = False) -> List[torch.Tensor]:
+    """reduce_scatter(a @ w) + bias: a [world*m, k], w [k, n], bias [n] -> this rank's rows [m, n], as
+    one summed tensor, or with `parts` as the parts of that sum where the transfers can leave them
+    unsummed (PeerReduceScatter.finish_parts); the rows due to each peer are sent while the next rows
+    are multiplied, and the work `held` for this layer runs while the last of them travel. See
+    `_send_parts` for the split form."""
     pending, own = _send_parts(a, w, group, bias)
     if held is not None:
         held.run()
-    return pending.finish(own)
+    return pending.finish_parts(own) if parts else [pending.finish(own)]
 
 
 SEND_CHUNKS = 2  # GEMMs for the first peer's rows where the GEMM is shorter than its transfer
@@ -329,23 +335,28 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
 
 
 class _RowLinearOverPeers(torch.autograd.Function):
-    """y_local = reduce_scatter_seq(h @ W^T) + b: h [s, b, in/tp] -> y_local [s/tp, b, out]; the bias's
-    gradient is this rank's tokens' part."""
+    """y_local = reduce_scatter_seq(h @ W^T) + b: h [s, b, in/tp] -> y_local [s/tp, b, out], returned
+    as a tuple of one tensor, or with `parts` of several whose sum y_local is (this rank's own part
+    first, the only differentiable one: y_local's gradient is its gradient); the bias's gradient is
+    this rank's tokens' part."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, group, held):
+    def forward(ctx, h, weight, bias, group, held, parts):
         dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes, ctx.held = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype), held
         ctx.main_grad = main_grad_of([weight])  # where the weight gradient is added (tpflash.layers.main_grads)
         h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
         with _no_autocast(h):
             b_c = None if bias is None else stacked_cast([bias], dtype)
-            y = _multiply_scatter(_rows(h), w.t(), group, b_c, held)  # [s/tp*b, out]
+            ys = _multiply_scatter(_rows(h), w.t(), group, b_c, held, parts)  # [s/tp*b, out] each
         ctx.save_for_backward(h, w)
-        return y.view((h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],))
+        shape = (h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],)
+        ys = tuple(y.view(shape) for y in ys)
+        ctx.mark_non_differentiable(*ys[1:])  # other ranks' parts: their gradients are theirs to compute
+        return ys
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, grad_y, *_received):
         h, w = ctx.saved_tensors
         with _no_autocast(h):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
@@ -355,4 +366,4 @@ class _RowLinearOverPeers(torch.autograd.Function):
             grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
             gather.finish()
         grad_w = None if ctx.main_grad is not None else grad_w.to(ctx.dtypes[1])  # main_grad: added there
-        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w, grad_b, None, None
+        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w, grad_b, None, None, None

@@ -280,7 +280,8 @@ class PeerReduceScatter:
     [k, ...], into rank r's buffer (at this rank's slot) on `stream` (default: the current one),
     while the caller computes the next part; `finish(own)` adds every rank's part for this rank's
     rows to own [m, ...] (fp32 accumulation above two ranks) and returns the sum, `finish_matmul(a,
-    w)` the same for own = a @ w. Every peer gets all m rows, in one part or several.
+    w)` the same for own = a @ w, `finish_parts(own)` the parts unsummed. Every peer gets all m
+    rows, in one part or several.
     """
 
     def __init__(self, group, shape, dtype: torch.dtype, device: torch.device,
@@ -311,6 +312,18 @@ class PeerReduceScatter:
         # additions and downcast copy took 9 ms of a 104 ms gpt-2.7b step at tp=4: docs/performance.md,
         # "TP efficiency")
         return self._done(sum_parts([own, *received], self.dtype))
+
+    def finish_parts(self, own: torch.Tensor) -> List[torch.Tensor]:
+        """[own, *received]: the parts whose sum `finish(own)` returns, left for a consumer that adds them
+        in a pass of its own (the next norm: kernels.layer_norm's parts). The received parts are views
+        of this rank's buffer, valid until the call after next on the group, which writes it again
+        only once every rank has passed the next call's barrier; so only inside a graph_epoch, whose
+        calls end without the closing barrier, and only where nothing else writes into those views.
+        Elsewhere [finish(own)]."""
+        if not self.in_epoch:
+            return [self.finish(own)]
+        received = self._arrived()
+        return [self._done(own), *received]
 
     def finish_matmul(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """finish(a @ w) for a [m, k], w [k, n]; at two ranks the GEMM adds the received part in its
