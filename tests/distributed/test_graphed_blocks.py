@@ -83,7 +83,7 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         # inside the capture the row layers' parts go to the next norm unsummed (where no block
         # recomputes its forward), and only there
         handing = all(b.norm_sums_parts for b in graphed.blocks)
-        assert max(parted, default=0) == (tp if handing else 1), f"the captured reduce-scatters handed {parted} parts"
+        assert (max(parted, default=0) == tp) == handing, f"the captured reduce-scatters handed {parted} parts"
         assert parted.count(tp) <= 2 * len(graphed.blocks) - 1, f"parts handed outside the capture: {parted}"
     if device.type == "cuda" and tp > 1 and sequence_parallel and comm_backend != "nccl":
         # captured collectives, serial or overlapped, go through the copy engines on GPUs with peer
