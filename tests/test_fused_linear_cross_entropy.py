@@ -130,3 +130,28 @@ def test_fused_linear_cross_entropy_matches_torch_on_gpu():
     assert_close(loss.float(), ref, "loss", 1e-2)
     assert_close(h.grad, ref_dh, "d hidden", 2e-2)
     assert_close(w.grad, ref_dw, "d weight", 2e-2)
+
+
+def beside_the_gemm_body(tp):
+    """On GPUs that map each other's memory the copy engines carry d hidden's reduce-scatter beside the
+    last d weight GEMM (no SMs taken from it); on CPU the group's own collective does."""
+    from tpflash.parallel import peer_collectives
+    started, real = [], peer_collectives.start_reduce_scatter
+    peer_collectives.start_reduce_scatter = lambda *a, **k: started.append(1) or real(*a, **k)
+    try:
+        vocab_parallel_body(tp, "mean", VOCAB, True)
+    finally:
+        peer_collectives.start_reduce_scatter = real
+    assert bool(started) == torch.cuda.is_available(), f"copy-engine reduce-scatters: {len(started)}"
+
+
+def test_sequence_parallel_fused_linear_cross_entropy_reduce_scatters_on_the_groups_collective_on_cpu(ranks):
+    ranks(2).run(beside_the_gemm_body, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_fused_linear_cross_entropy_reduce_scatters_through_the_copy_engines(ranks, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ranks(tp).run(beside_the_gemm_body, tp)

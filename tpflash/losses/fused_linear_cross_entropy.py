@@ -9,7 +9,8 @@ recomputes each chunk's logits (one extra GEMM).
 
 Under sequence parallelism hidden is gathered along the sequence first, and d hidden is
 reduce-scattered back. Where d hidden is formed in the forward, its reduce-scatter is issued there,
-as soon as the last chunk's d hidden GEMM is done, and travels beside that chunk's d weight GEMM:
+as soon as the last chunk's d hidden GEMM is done, and travels beside that chunk's d weight GEMM
+(on the copy engines where they reach the group: an NCCL kernel would wait for the GEMM's SMs):
 the backward then only scales this rank's part.
 
 The GEMMs run in autocast's dtype under autocast (else in hidden's dtype), on a copy of the weight
@@ -69,7 +70,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     g = shard.logits_grad(logits, row_scale, out=logits)  # the logits buffer becomes the gradient
                     torch.matmul(g, w, out=grad_h[rows])
                     if scatter is not None and i == len(chunks) - 1:  # d hidden is whole: it travels now
-                        scattered = comm.reduce_scatter_async(grad_h.view(full.shape), scatter[1], scatter[0])
+                        scattered = comm.reduce_scatter_async(grad_h.view(full.shape), scatter[1], scatter[0],
+                                                              beside_compute=True)
                     grad_w = weight_grad_fp32(g, h2[rows], into=grad_w)
             if precompute and scatter is not None:
                 grad_h = (scattered or comm.reduce_scatter_async(grad_h.view(full.shape), scatter[1],

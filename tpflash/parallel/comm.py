@@ -15,7 +15,8 @@ Forward / backward pairs (the duals of each other):
 `*_async` functions are the raw (non-autograd) primitives returning a `PendingCollective`
 handle. All-gathers and
 reduce-scatters of CUDA tensors may go through peer memory instead (tpflash.parallel.peer_collectives,
-TPFLASH_COMM_BACKEND: by default inside CUDA-graph capture; issued in stream order, so already "done").
+TPFLASH_COMM_BACKEND: by default inside CUDA-graph capture, and for a reduce-scatter asked to travel
+beside the caller's next kernels; issued in stream order, so already "done").
 """
 from __future__ import annotations
 
@@ -108,8 +109,8 @@ def reduce_scatter_many(outs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]
         _issue_reduce_scatter(out, x, group).wait()
 
 
-def _through_peers(x: torch.Tensor, group: ProcessGroup) -> bool:
-    return peer_collectives.use_copy_engine(x, group)
+def _through_peers(x: torch.Tensor, group: ProcessGroup, beside_compute: bool = False) -> bool:
+    return peer_collectives.use_copy_engine(x, group, beside_compute)
 
 
 def all_reduce_async(x: torch.Tensor, group: ProcessGroup) -> PendingCollective:
@@ -135,21 +136,28 @@ def all_gather_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> PendingC
     return PendingCollective(work, out, finish)
 
 
-def reduce_scatter_async(x: torch.Tensor, dim: int, group: ProcessGroup) -> PendingCollective:
-    """Sum `x` over the group and keep this rank's chunk along `dim`. [.., world*n, ..] -> [.., n, ..]"""
+def reduce_scatter_async(x: torch.Tensor, dim: int, group: ProcessGroup,
+                         beside_compute: bool = False) -> PendingCollective:
+    """Sum `x` over the group and keep this rank's chunk along `dim`. [.., world*n, ..] -> [.., n, ..]
+    beside_compute: the caller issues kernels before `wait()` that the transfer should travel beside:
+    where the copy engines reach the group (TPFLASH_COMM_BACKEND "auto" or "copy_engine") they push
+    the parts on a side stream, taking no SMs from those kernels, and `wait()` adds them up."""
     world = group_size(group)
     if world == 1:
         return PendingCollective(None, x)
     dim = dim % x.dim()
     _check_divisible(x, dim, world, "reduce_scatter")
     moved = x.movedim(dim, 0).contiguous()
+    to_dim = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
+    if beside_compute and _through_peers(moved, group, beside_compute=True):
+        finish = peer_collectives.start_reduce_scatter(moved, group, peer_collectives.side_stream(moved.device))
+        return PendingCollective(None, moved, lambda _: to_dim(finish()))
     if _through_peers(moved, group):
         work, out = None, peer_collectives.reduce_scatter(moved, group)
     else:
         out = moved.new_empty((moved.shape[0] // world,) + moved.shape[1:])
         work = _issue_reduce_scatter(out, moved, group)
-    finish = (lambda t: t) if dim == 0 else (lambda t: t.movedim(0, dim).contiguous())
-    return PendingCollective(work, out, finish)
+    return PendingCollective(work, out, to_dim)
 
 
 def all_reduce(x, group):

@@ -42,7 +42,8 @@ from .peer_workspace import graph_epoch, kept_buffer
 
 __all__ = ["BACKENDS", "PeerAllGather", "PeerReduceScatter", "all_gather", "available", "can_map_peers",
            "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "kept_buffer", "peer_access",
-           "reachable", "reduce_scatter", "reduce_scatter_pieces", "use_copy_engine"]
+           "reachable", "reduce_scatter", "reduce_scatter_pieces", "side_stream", "start_reduce_scatter",
+           "use_copy_engine"]
 
 _ENV = "TPFLASH_COMM_BACKEND"
 BACKENDS = ("auto", "nccl", "copy_engine")
@@ -53,8 +54,9 @@ _peer_access: Dict[int, bool] = {}  # id(group) -> the group's agreed verdict
 @functools.lru_cache(maxsize=None)
 def comm_backend() -> str:
     """How the tp collectives move data (TPFLASH_COMM_BACKEND): "auto" (default): this module for the
-    work CUDA graphs capture (`for_graph_capture`) when every GPU of the group can map its peers'
-    memory, where it measured faster than NCCL, and the group's own collectives elsewhere; "nccl":
+    work CUDA graphs capture (`for_graph_capture`) and for transfers meant to travel beside a GEMM
+    (`use_copy_engine`'s beside_compute) when every GPU of the group can map its peers' memory, where
+    it measured faster than NCCL, and the group's own collectives elsewhere; "nccl":
     always the group's collectives (any backend); "copy_engine": this module for every CUDA group.
     Read once per process (every collective asks): `comm_backend.cache_clear()` re-reads it."""
     backend = os.environ.get(_ENV, "auto").strip().lower()
@@ -116,11 +118,14 @@ def can_map_peers(ranks: Sequence[Tuple[str, int]], me: int, can_access: Callabl
             and all(d == me or can_access(me, d) for _, d in ranks))
 
 
-def use_copy_engine(x: torch.Tensor, group) -> bool:
-    """Whether an all-gather / reduce-scatter of x over group goes through this module now."""
+def use_copy_engine(x: torch.Tensor, group, beside_compute: bool = False) -> bool:
+    """Whether an all-gather / reduce-scatter of x over group goes through this module now. beside_compute:
+    the transfer is to travel beside the caller's next kernels (the fused loss's reduce-scatter beside
+    its last GEMM), which "auto" then leaves the SMs to: an NCCL kernel there waits for the GEMM's SMs
+    on one rank and slows the GEMM on another (docs/performance.md, "TP efficiency")."""
     backend = comm_backend()
-    if backend == "nccl" or (backend == "auto" and not _for_graphs[0]):  # cheap answers first: every collective asks
-        return False
+    if backend == "nccl" or (backend == "auto" and not (_for_graphs[0] or beside_compute)):
+        return False  # cheap answers first: every collective asks
     if backend == "copy_engine":
         return available(x, group)
     return reachable(x, group)
@@ -388,13 +393,25 @@ def all_gather(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """The sum over ranks of x [world*m, ...], keeping this rank's rows [m, ...] (rank order)."""
+    return start_reduce_scatter(x, group, torch.cuda.current_stream(x.device))()
+
+
+def start_reduce_scatter(x: torch.Tensor, group, stream: torch.cuda.Stream) -> Callable[[], torch.Tensor]:
+    """reduce_scatter(x, group) with the pushes queued on `stream` now, once the current stream's work so
+    far is done (x written), so that they travel beside the kernels the caller issues next; the
+    returned function waits for every rank's parts (the current stream does) and returns the sum."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[0] % world:
         raise ValueError(f"reduce_scatter: size {x.shape[0]} of dim 0 (shape {tuple(x.shape)}) "
                          f"is not divisible by the group size {world}")
     chunks = x.contiguous().chunk(world)  # chunk r: my partial sum of rank r's rows
-    scatter = PeerReduceScatter(group, chunks[0].shape, x.dtype, x.device)
+    scatter = PeerReduceScatter(group, chunks[0].shape, x.dtype, x.device, stream)
     for step in range(1, world):
         r = (rank + step) % world
         scatter.send(r, chunks[r])
-    return scatter.finish(chunks[rank])
+    return lambda: scatter.finish(chunks[rank])
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream of this module's own on `device` for pushes that travel beside the caller's kernels."""
+    return _stream(device, "pushes")
