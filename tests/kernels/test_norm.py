@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from tests.kernels.helpers import DEVICE, assert_rel, float64_twin, needs_interpreter, run_with_grads
 from tpflash.kernels import layer_norm, rms_norm, use_backend
+from tpflash.kernels.sum_parts import sum_parts
 from tpflash.kernels.norm_kernels import _norm_backward
 
 
@@ -188,7 +189,8 @@ def test_the_fused_add_normalises_the_residual_it_returns(backend, rms):
 
 def _parts_check(rms, n_parts, device):
     """x given as parts (bf16, as a reduce-scatter leaves them) with an fp32 residual: y and the new
-    residual are those of the parts' fp32 sum, and only the first part gets a gradient, x's."""
+    residual are those of the parts' fp32 sum rounded once to bf16 (kernels.sum_parts), and only the
+    first part gets a gradient, x's."""
     torch.manual_seed(4)
     shape = (6, 5, 48)
     parts = [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(n_parts)]
@@ -200,9 +202,7 @@ def _parts_check(rms, n_parts, device):
     xs = [parts[0].clone().requires_grad_()] + parts[1:]
     rs = r.clone().requires_grad_()
     y, res = fn(xs, rs)
-    summed = parts[0].float()
-    for p in parts[1:]:
-        summed = summed + p.float()
+    summed = sum_parts(parts, torch.bfloat16)
     x_ref, r_ref = summed.requires_grad_(), r.clone().requires_grad_()
     y_ref, res_ref = fn(x_ref, r_ref)
     assert y.dtype == torch.bfloat16 and res.dtype == torch.float32

@@ -23,12 +23,12 @@ Parts = Union[torch.Tensor, Sequence[torch.Tensor]]  # x, or parts whose sum is 
 
 
 def _parts_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """parts[0] + parts[1] + ... in fp32 (float64 stays), in order; differentiable in parts[0] only (the
-    kernel's rule)."""
+    """parts[0] + parts[1] + ... in fp32 (float64 stays), in order, rounded once to parts[0]'s dtype;
+    differentiable in parts[0] only (the kernel's rule)."""
     total = parts[0].to(torch.promote_types(parts[0].dtype, torch.float32))
     for part in parts[1:]:
         total = total + part.detach()
-    return total
+    return total.to(parts[0].dtype)
 
 
 def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[torch.dtype]):
@@ -44,8 +44,7 @@ def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[
         if len(parts) == 1 or (residual is not None and len(parts) <= MAX_PARTS):
             y, new_residual = triton_norm(x, weight, bias, eps, residual, rms, out_dtype, more=parts[1:])
             return y if residual is None else (y, new_residual)
-    if len(parts) > 1:  # the sum in fp32, normalised as the kernel does; y in the first part's dtype
-        out_dtype = out_dtype or x.dtype
+    if len(parts) > 1:  # the sum as the kernel forms it
         x = _parts_sum(parts)
     out = rms_norm_reference(x, weight, eps, residual) if rms else layer_norm_reference(x, weight, bias, eps, residual)
     if out_dtype is None:
@@ -61,9 +60,10 @@ def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = No
     with `residual` (shaped like x) the pair (y, new_residual) where new_residual = x + residual
     (residual's dtype) and y = LayerNorm(new_residual). Differentiable in x, residual, weight and bias.
     x may also be a tuple of same-shaped parts whose sum it is (a reduce-scatter's, unsummed: the
-    overlapped RowParallelLinear's `output_parts`): they are added in fp32, in order, inside the
-    kernel (with a residual, up to four parts) and never rounded on their own; only the first part
-    gets a gradient (the others are other ranks' contributions, whose gradients their ranks compute).
+    overlapped RowParallelLinear's `output_parts`): they are added in fp32, in order, and rounded
+    once to the first part's dtype (tpflash.kernels.sum_parts' bits) inside the kernel (with a
+    residual, up to four parts), the sum never written on its own; only the first part gets a
+    gradient (the others are other ranks' contributions, whose gradients their ranks compute).
     """
     return _norm(x, weight, bias, eps, residual, False, out_dtype)
 

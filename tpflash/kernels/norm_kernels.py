@@ -3,8 +3,9 @@
 One flag (RMS) selects RMSNorm (no mean, no bias); one flag (HAS_RESIDUAL) fuses h = x + residual,
 whose value is written out as the new residual and normalised in fp32. With a residual, x may come
 as up to four parts whose sum it is (PARTS: a reduce-scatter's own and received parts, left unsummed
-by the layer that made them), added in fp32, in order, before the residual: the sum is never
-written on its own. Only the first part is differentiable. Forward: one program per
+by the layer that made them), added in fp32, in order, and rounded once to x's dtype (the bits of
+tpflash.kernels.sum_parts) before the residual is added: the sum is never written on its own.
+Only the first part is differentiable. Forward: one program per
 row. Backward: one program per SM, each walking its own rows in tiles of ROWS rows (loads of
 several rows in flight, the next tile prefetched when STAGES > 1); programs keep their
 dweight/dbias partial sums in fp32 registers, and a final torch sum over programs reduces them
@@ -39,6 +40,8 @@ def _norm_fwd_kernel(X, X1, X2, X3, RES, W, B, Y, RES_OUT, MEAN, RSTD, n, eps, B
         h += tl.load(X2 + row * n + cols, mask=mask, other=0.0).to(tl.float32)
     if PARTS > 3:
         h += tl.load(X3 + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:  # rounded once to x's dtype, as the sum would have been stored: the same bits as before
+        h = h.to(X.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:  # the sum is normalised as stored (rounded to the residual's dtype), as the backward sees it
         h += tl.load(RES + row * n + cols, mask=mask, other=0.0).to(tl.float32)
         h = h.to(RES_OUT.dtype.element_ty)
