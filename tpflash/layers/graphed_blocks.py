@@ -23,6 +23,8 @@ What a replay assumes, checked where it can be:
   collectives elsewhere; serial collectives go through the copy engines where they
   can (TPFLASH_COMM_BACKEND's default, "auto"), else through NCCL. The warm-up passes size the
   symmetric-memory workspaces so that capture allocates nothing;
+- each block but the last hands the next block's norm its MLP's reduce-scatter parts unsummed,
+  which that norm's kernel adds (ParallelTransformerBlock.hand_output_parts, set for the capture);
 - each block's output projection runs work its block hands it while its transfers travel
   (tpflash.parallel.held_work): in the forward graph the next block's weight casts, in the backward
   graph the up projection's weight gradient, computed late: every gradient is complete when the
