@@ -49,78 +49,19 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..parallel import comm, overlap, peer_collectives
+from ..parallel import comm, overlap
 from ..parallel.held_work import holding_gradients
 from . import weight_casts
+from .graph_capture import NO_AUTOCAST, CudaGraph, EagerGraph, autocast_for, autocast_state
 from .main_grads import MainGrads
 
 WARMUP_ITERS = 3  # eager forward+backward passes before capture: autotuning, cuBLAS and NCCL set-up
-
-
-# The backward is captured outside autocast, as the eager backward of PyTorch's AMP recipe runs (backward
-# called outside autocast): its ops take the dtypes the forward saved, where under autocast an fp32 GEMM
-# there would run in bf16; recomputation under activation checkpointing restores the forward's autocast.
-NO_AUTOCAST: Tuple[bool, Optional[torch.dtype]] = (False, None)
-
-
-def _autocast_state(device_type: str) -> Tuple[bool, Optional[torch.dtype]]:
-    if not torch.is_autocast_enabled(device_type):
-        return False, None
-    return True, torch.get_autocast_dtype(device_type)
-
-
-def _autocast(device_type: str, state: Tuple[bool, Optional[torch.dtype]]):
-    """The autocast of `state`, without its weight-cast cache (a cached cast would outlive a replay)."""
-    enabled, dtype = state
-    if not enabled:
-        return torch.autocast(device_type, enabled=False)
-    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
-
-
-class _CudaGraph:
-    """torch.cuda.CUDAGraph behind capture(fn) / replay(), sharing one memory pool per stack."""
-
-    def __init__(self, pool):
-        self.graph, self.pool = torch.cuda.CUDAGraph(), pool
-
-    def capture(self, fn: Callable[[], None]) -> None:
-        # thread_local: the NCCL watchdog thread may query events while this thread captures
-        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
-            with peer_collectives.graph_epoch():  # copy-engine collectives: one barrier each, not two
-                fn()
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-    def release(self) -> None:
-        # A graph that captured NCCL kernels holds a reference on their communicator until the graph
-        # itself is destroyed, and destroying the process group waits for that reference forever
-        # (pytorch/pytorch#115388): reset it now rather than whenever the last Python reference goes.
-        self.graph.reset()
-
-
-class _EagerGraph:
-    """CPU stand-in: replay() reruns the captured function under the autocast and grad mode of capture."""
-
-    def __init__(self, device_type: str, autocast_state):
-        self.device_type, self.autocast_state, self.fn = device_type, autocast_state, None
-
-    def capture(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-        self.replay()
-
-    def replay(self) -> None:
-        with torch.enable_grad(), _autocast(self.device_type, self.autocast_state):
-            self.fn()
-
-    def release(self) -> None:
-        self.fn = None
 
 
 def check_graphable(blocks: Sequence[nn.Module], params: Optional[Sequence[torch.Tensor]] = None) -> None:
@@ -185,7 +126,7 @@ class GraphedBlocks:
         self._step_hook = None
         if self.hoisted_casts is not None:  # torch's fused AdamW updates in place without bumping versions
             self._step_hook = _cast_again_after_optimizer_steps(self)
-        self.autocast_state = _autocast_state(device.type)
+        self.autocast_state = autocast_state(device.type)
         self.training = self.blocks[0].training
         self.key = (tuple(sample_x.shape), sample_x.dtype, device)
         self.static_x = sample_x.detach().clone().requires_grad_(True)
@@ -210,17 +151,17 @@ class GraphedBlocks:
         self._refresh_casts()
         if device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()
-            self.fwd_graph, self.bwd_graph = _CudaGraph(pool), _CudaGraph(pool)
+            self.fwd_graph, self.bwd_graph = CudaGraph(pool), CudaGraph(pool)
             self._warm_up()
             if self.dp_sync is not None:
                 self.dp_sync.warm_up()
         else:
-            self.fwd_graph = _EagerGraph(device.type, self.autocast_state)
-            self.bwd_graph = _EagerGraph(device.type, NO_AUTOCAST)
-        with _autocast(device.type, self.autocast_state):
+            self.fwd_graph = EagerGraph(device.type, self.autocast_state)
+            self.bwd_graph = EagerGraph(device.type, NO_AUTOCAST)
+        with autocast_for(device.type, self.autocast_state):
             self.fwd_graph.capture(self._forward)
         self.static_grad_out = tuple(torch.empty_like(o) for o in self.outputs)
-        with _autocast(device.type, NO_AUTOCAST):
+        with autocast_for(device.type, NO_AUTOCAST):
             self.bwd_graph.capture(self._backward)
 
     @contextlib.contextmanager
@@ -347,9 +288,9 @@ class GraphedBlocks:
         device_type = self.static_x.device.type
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_ITERS):  # main_grad buffers take garbage here: start() resets them
-                with _autocast(device_type, self.autocast_state), self._main_grads_open():
+                with autocast_for(device_type, self.autocast_state), self._main_grads_open():
                     outs = self._run_blocks(self.static_x)
-                with _autocast(device_type, NO_AUTOCAST), holding_gradients(self.held), self._main_grads_open():
+                with autocast_for(device_type, NO_AUTOCAST), holding_gradients(self.held), self._main_grads_open():
                     self._differentiate(outs, [torch.ones_like(o) for o in outs])
             del outs
         torch.cuda.synchronize()
@@ -374,7 +315,7 @@ class GraphedBlocks:
     def matches(self, x: torch.Tensor) -> bool:
         """Whether a replay computes what the eager blocks would for this input, here and now."""
         return (torch.is_grad_enabled() and (tuple(x.shape), x.dtype, x.device) == self.key
-                and _autocast_state(x.device.type) == self.autocast_state and self.blocks[0].training == self.training)
+                and autocast_state(x.device.type) == self.autocast_state and self.blocks[0].training == self.training)
 
     def __call__(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if not self.matches(x):
