@@ -307,19 +307,18 @@ def test_block_with_overlap_matches_overlap_off(ranks, tp, mlp, n_kv_head):
     ranks(tp).run(block_on_off_body, tp, mlp, n_kv_head)
 
 
-def _split_as_received(own_and_sum):
-    """A stand-in for the copy engines' unsummed parts on the group's collectives: the sum's parts
-    [own, sum - own], from the reduce-scatter's finish."""
-    def finish_parts(self, own):
-        total = self.finish(own)
-        return [own, total - own]
-    return finish_parts
+def _finish_as_parts(self, own):
+    """A stand-in for the copy engines' unsummed parts on the group's reduce-scatter: [own, sum - own]."""
+    total = self.finish(own)
+    return [own, total - own]
 
 
 def block_parts_body(tp):
     """Blocks whose row layers hand the next norm their reduce-scatter's parts (the output projection's to
     mlp_norm; with hand_output_parts, the MLP's to the next block's attn_norm) compute what blocks
-    handing over the sums compute, forward and backward."""
+    handing over the sums compute, forward and backward. The group's own collectives stand in, on
+    GPUs too: the copy engines leave parts unsummed only inside graph captures, which the graphed
+    GPU tests check (test_graphed_blocks' train_body)."""
     from tpflash.layers import ParallelTransformerBlock
     ps = init_tp(tp)
     dtype = work_dtype(ps.device)
@@ -343,13 +342,16 @@ def block_parts_body(tp):
             block.zero_grad()
         return (out + residual).detach(), x.grad, grads
 
-    summed = run()
+    reach = overlap_gemms.copy_engines_reach
+    overlap_gemms.copy_engines_reach = lambda x, group: False
     real = overlap_gemms._GroupReduceScatter.finish_parts
-    overlap_gemms._GroupReduceScatter.finish_parts = _split_as_received(real)
-    blocks[0].hand_output_parts(True)
     try:
+        summed = run()
+        overlap_gemms._GroupReduceScatter.finish_parts = _finish_as_parts
+        blocks[0].hand_output_parts(True)
         parted = run()
     finally:
+        overlap_gemms.copy_engines_reach = reach
         overlap_gemms._GroupReduceScatter.finish_parts = real
         blocks[0].hand_output_parts(False)
     assert handed == [False, True], f"the first block's output should come as parts only when handed: {handed}"
