@@ -73,15 +73,6 @@ def _no_autocast(x: torch.Tensor):
 
 # ---- the collectives, by rank ----------------------------------------------------------------------
 
-_side_streams = {}  # device -> the stream the copy engines' transfers are queued on
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
-
-
 class _GroupAllGather:
     """PeerAllGather's interface over the group's own all-gather (no overlap)."""
 
@@ -136,14 +127,16 @@ def _all_gather(x: torch.Tensor, group, keep: bool = True, whole: bool = False,
         if keep and owner is not None and peer_collectives.capturing_for_graphs():
             nbytes = dist.get_world_size(group) * x.numel() * x.element_size()
             kept = peer_collectives.kept_buffer(owner, group, x.device, nbytes)
-        return peer_collectives.PeerAllGather(x, group, _side_stream(x.device), keep=keep, by_piece=True,
+        pushes = peer_collectives.side_stream(x.device)
+        return peer_collectives.PeerAllGather(x, group, pushes, keep=keep, by_piece=True,
                                               whole=whole, kept=kept)
     return _GroupAllGather(x, group)
 
 
 def _reduce_scatter(group, shape, like: torch.Tensor):
     if copy_engines_reach(like, group):
-        return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, _side_stream(like.device))
+        pushes = peer_collectives.side_stream(like.device)
+        return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, pushes)
     return _GroupReduceScatter(group, shape, like.dtype, like.device)
 
 

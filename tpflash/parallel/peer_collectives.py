@@ -413,5 +413,7 @@ def start_reduce_scatter(x: torch.Tensor, group, stream: torch.cuda.Stream) -> C
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """A stream of this module's own on `device` for pushes that travel beside the caller's kernels."""
+    """The stream on `device` that pushes meant to travel beside the caller's kernels are queued on (the
+    overlapped layers' transfers, the fused loss's reduce-scatter): one per device, so they queue in
+    issue order."""
     return _stream(device, "pushes")
