@@ -105,21 +105,24 @@ def test_unknown_comm_backend_raises(monkeypatch):
         peer_collectives.comm_backend()
 
 
-@pytest.mark.parametrize("backend,for_graphs,peers,expected", [
-    ("auto", False, True, False),         # eager work: NCCL
-    ("auto", True, True, True),           # work CUDA graphs capture, GPUs that map each other: copy engines
-    ("auto", True, False, False),         # ... GPUs that cannot: NCCL
-    ("nccl", True, True, False),
-    ("copy_engine", False, True, True),
+@pytest.mark.parametrize("backend,for_graphs,beside,peers,expected", [
+    ("auto", False, False, True, False),  # eager work: NCCL
+    ("auto", True, False, True, True),    # work CUDA graphs capture, GPUs that map each other: copy engines
+    ("auto", True, False, False, False),  # ... GPUs that cannot: NCCL
+    ("auto", False, True, True, True),    # eager, to travel beside a GEMM (the fused loss's): copy engines
+    ("auto", False, True, False, False),  # ... GPUs that cannot: NCCL
+    ("nccl", True, False, True, False),
+    ("nccl", False, True, True, False),
+    ("copy_engine", False, False, True, True),
 ])
 def test_the_comm_backend_picks_copy_engines_by_setting_capture_and_peer_access(monkeypatch, backend, for_graphs,
-                                                                               peers, expected):
+                                                                               beside, peers, expected):
     from tpflash.parallel import peer_collectives
     monkeypatch.setenv("TPFLASH_COMM_BACKEND", backend)
     monkeypatch.setattr(peer_collectives, "available", lambda x, group: True)
     monkeypatch.setattr(peer_collectives, "peer_access", lambda group: peers)
     with peer_collectives.for_graph_capture() if for_graphs else contextlib.nullcontext():
-        assert peer_collectives.use_copy_engine(torch.ones(2), object()) is expected
+        assert peer_collectives.use_copy_engine(torch.ones(2), object(), beside_compute=beside) is expected
 
 
 def test_peer_access_needs_one_host_distinct_devices_and_cuda_peer_access():
