@@ -7,12 +7,14 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from tp_stretches import blocks_in_step, kernel_starts, stretches, table  # noqa: E402
+from tp_stretches import blocks_in_step, busy, kernel_starts, load_kernels, stretches, table, windows  # noqa: E402
 
 
 def _trace(path, kernels):
-    """A chrome trace of (name, start us) kernels, plus a CPU op that must be ignored."""
-    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": 1.0} for name, ts in kernels]
+    """A chrome trace of (name, start us[, duration us]) kernels (1 us by default), plus a CPU op that must
+    be ignored."""
+    events = [{"ph": "X", "cat": "kernel", "name": k[0], "ts": k[1], "dur": k[2] if len(k) > 2 else 1.0}
+              for k in kernels]
     events.append({"ph": "X", "cat": "cpu_op", "name": "flash_fprop (host)", "ts": 0.0, "dur": 1.0})
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -47,3 +49,26 @@ def test_a_block_count_that_does_not_fit_the_trace_is_refused():
         stretches(forward + [410.0], backward + [420.0], 3)
     with pytest.raises(ValueError, match="need 4 and 3"):
         stretches(forward, backward, 3)
+
+
+def test_the_gemms_time_is_summed_per_stretch_and_averaged_over_the_blocks(tmp_path):
+    path = str(tmp_path / "t.json.gz")
+    # GEMMs: 5 us in the first block's forward, 4 in the head, 3 + 7 in the backward's one block window,
+    # 6 in the tail; a kernel of another name is not counted
+    _trace(path, STEP + [("nvjet_a", 12.0, 5.0), ("nvjet_b", 40.0, 4.0), ("cutlass_c", 110.0, 3.0),
+                         ("nvjet_d", 120.0, 7.0), ("nvjet_e", 200.0, 6.0), ("copy", 15.0, 50.0)])
+    kernels = load_kernels(path)
+    forward, backward = kernel_starts(path, r"flash_fprop"), kernel_starts(path, r"flash_bprop")
+    spans = windows(forward, backward, 2)
+    gemms = {name: busy(kernels, spans[name], r"nvjet|cutlass") for name in spans}
+    assert gemms == {"block forward": 5.0, "block backward": 10.0, "head and loss": 4.0, "tail": 6.0, "step": 25.0}
+
+
+def test_the_gemm_columns_set_tp_n_against_a_tpth_of_tp1():
+    one = {"block forward": 200.0, "block backward": 400.0, "head and loss": 100.0, "tail": 50.0, "step": 1000.0}
+    half = {name: value / 2 + 10 for name, value in one.items()}
+    gemm_one = {name: value / 2 for name, value in one.items()}
+    gemm_half = {name: value / 4 + 5 for name, value in one.items()}
+    rows = table(one, half, 2, (gemm_one, gemm_half)).splitlines()
+    assert rows[0].endswith("| GEMMs, 1/2 of tp=1 | tp=2 | over |")
+    assert rows[2] == "| block forward | 100 | 110 | +10 | 50 | 55 | +5 |"
