@@ -40,7 +40,7 @@ def _norm_fwd_kernel(X, X1, X2, X3, RES, W, B, Y, RES_OUT, MEAN, RSTD, n, eps, B
         h += tl.load(X2 + row * n + cols, mask=mask, other=0.0).to(tl.float32)
     if PARTS > 3:
         h += tl.load(X3 + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-    if PARTS > 1:  # rounded once to x's dtype, as the sum would have been stored: the same bits as before
+    if PARTS > 1:  # rounded once to x's dtype, as the summed reduce-scatter stores it (kernels.sum_parts' bits)
         h = h.to(X.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:  # the sum is normalised as stored (rounded to the residual's dtype), as the backward sees it
         h += tl.load(RES + row * n + cols, mask=mask, other=0.0).to(tl.float32)
