@@ -176,3 +176,34 @@ def test_selective_checkpointing_recomputes_the_norms_but_not_the_gemms():
 def test_selective_checkpointing_refuses_dropout():
     with pytest.raises(ValueError, match="checkpoint='selective' needs dropout=0, got dropout=0.1"):
         ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, checkpoint="selective", dropout=0.1, **LLAMA)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "activation", "full"])
+def test_the_norms_write_their_outputs_where_the_projections_name_and_the_block_is_unchanged(checkpoint):
+    """Where the attention and the MLP name a place for their input (input_part: the kept-input buffers of
+    the overlapped path inside a graph capture, on GPUs), the norms before them write their outputs
+    there, and the block computes what it computes without; not where it recomputes its forward."""
+    torch.manual_seed(0)
+    block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, checkpoint=checkpoint, **GPT2)
+    x = torch.randn(8, 2, HIDDEN, requires_grad=True)
+    runs, places, outputs = [], [], []
+    for naming in (False, True):
+        if naming:
+            def named(like):
+                places.append(torch.full_like(like, float("nan")))
+                return places[-1]
+            block.attn.input_part = block.mlp.input_part = named
+        hooks = [norm.register_forward_hook(lambda m, args, out: outputs.append((out[0] if isinstance(out, tuple) else out).detach()))
+                 for norm in (block.attn_norm, block.mlp_norm)]
+        outputs.clear()
+        out, residual = block(x)
+        (out + residual).square().sum().backward()
+        runs.append(((out + residual).detach(), x.grad.clone()))
+        x.grad = None
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), "the block changed"
+    if checkpoint == "full":
+        assert not places, "a block that recomputes its forward named places for its norms"
+    else:
+        assert len(places) == 2 and all(torch.equal(p, o) for p, o in zip(places, outputs[:2]))

@@ -51,12 +51,15 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel, activation_checkpointing=checkpointing), device)
     calls = []  # all-gathers through the copy engines (tpflash.parallel.peer_collectives)
+    kept = []  # for each gather into a layer's kept buffer: whether this rank's rows were there already
     real = peer_collectives.PeerAllGather
 
     class Counted(real):
         def __init__(self, *args, **kwargs):
             calls.append(1)
             super().__init__(*args, **kwargs)
+            if self.kept is not None:
+                kept.append(self.own_copied is None)
 
     parted = []  # how many parts each copy-engine reduce-scatter left unsummed for the next norm
     real_parts = peer_collectives.PeerReduceScatter.finish_parts
@@ -85,6 +88,9 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         handing = all(b.norm_sums_parts for b in graphed.blocks)
         assert (max(parted, default=0) == tp) == handing, f"the captured reduce-scatters handed {parted} parts"
         assert parted.count(tp) <= 2 * len(graphed.blocks) - 1, f"parts handed outside the capture: {parted}"
+        # and the norms write their outputs where the q/k/v and up projections keep their gathered inputs
+        in_place = all(b.norms_write_in_place for b in graphed.blocks)
+        assert kept and all(kept) == in_place, f"the kept gathers found this rank's rows in place: {kept}"
     if device.type == "cuda" and tp > 1 and sequence_parallel and comm_backend != "nccl":
         # captured collectives, serial or overlapped, go through the copy engines on GPUs with peer
         # access (test machines)

@@ -240,3 +240,50 @@ def test_norm_parts_of_another_shape_are_refused():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="part 1 is"):
         layer_norm([x, torch.randn(4, 9)], torch.ones(8), residual=x)
+
+
+def _out_check(rms, n_parts, device, backend):
+    """With `out`, y's values land in out (the Triton kernels return y as a view of it; the reference
+    path fills it beside y) and everything else is as without it: y, the new residual, the gradients."""
+    torch.manual_seed(5)
+    shape = (6, 5, 48)
+    parts = [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(n_parts)]
+    r = torch.randn(shape, device=device)
+    w = (1 + 0.1 * torch.randn(48, device=device))
+    b = None if rms else 0.1 * torch.randn(48, device=device)
+    fn = (lambda x, residual, out=None: rms_norm(x, w, residual=residual, out_dtype=torch.bfloat16, out=out)) \
+        if rms else (lambda x, residual, out=None: layer_norm(x, w, b, residual=residual, out_dtype=torch.bfloat16,
+                                                               out=out))
+    runs = []
+    for out in (None, torch.full(shape, float("nan"), device=device, dtype=torch.bfloat16)):
+        xs = [parts[0].clone().requires_grad_()] + parts[1:]
+        rs = r.clone().requires_grad_()
+        with use_backend(backend):
+            y, res = fn(xs if n_parts > 1 else xs[0], rs, out)
+            (y.float() * torch.linspace(-1, 1, y.numel(), device=device).view(shape)).sum().backward()
+        runs.append((y.detach(), res.detach(), xs[0].grad, rs.grad, out))
+    (y, res, dx, dr, _), (y_out, res_out, dx_out, dr_out, out) = runs
+    assert torch.equal(out, y)
+    assert (y_out.data_ptr() == out.data_ptr()) == (backend == "triton"), "y is a view of out on Triton only"
+    for name, a, e in [("y", y_out, y), ("new residual", res_out, res), ("dx", dx_out, dx), ("dresidual", dr_out, dr)]:
+        assert torch.equal(a, e), f"{name} differs with out"
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n_parts", [1, 2])
+def test_norm_writes_y_into_out(backend, rms, n_parts):
+    _out_check(rms, n_parts, "cpu", backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n_parts", [1, 2])
+def test_norm_writes_y_into_out_on_gpu(rms, n_parts):
+    _out_check(rms, n_parts, DEVICE, "triton")
+
+
+def test_norm_refuses_an_out_of_another_dtype():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"y needs a contiguous \(4, 8\) torch.float32"):
+        layer_norm(x, torch.ones(8), out=torch.empty(4, 8, dtype=torch.bfloat16))

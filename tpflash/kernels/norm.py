@@ -31,7 +31,15 @@ def _parts_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return total.to(parts[0].dtype)
 
 
-def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[torch.dtype]):
+def _check_out(out: Optional[torch.Tensor], x: torch.Tensor, y_dtype: torch.dtype) -> None:
+    if out is not None and (out.shape != x.shape or out.dtype != y_dtype or out.device != x.device
+                            or not out.is_contiguous()):
+        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device} (contiguous: {out.is_contiguous()}); "
+                         f"y needs a contiguous {tuple(x.shape)} {y_dtype} tensor on {x.device}")
+
+
+def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[torch.dtype],
+          out: Optional[torch.Tensor] = None):
     parts = tuple(x) if isinstance(x, (tuple, list)) else (x,)
     for i, part in enumerate(parts):
         if part.shape != parts[0].shape or part.device != parts[0].device:
@@ -39,21 +47,26 @@ def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[
                              f"{tuple(parts[0].shape)} on {parts[0].device}")
     x = parts[0]
     _check_norm_inputs(x, weight, bias, residual)
+    _check_out(out, x, out_dtype or x.dtype)
     if dispatch.pick(x) == "triton":
         from .norm_kernels import MAX_PARTS, triton_norm
         if len(parts) == 1 or (residual is not None and len(parts) <= MAX_PARTS):
-            y, new_residual = triton_norm(x, weight, bias, eps, residual, rms, out_dtype, more=parts[1:])
+            y, new_residual = triton_norm(x, weight, bias, eps, residual, rms, out_dtype, more=parts[1:], out=out)
             return y if residual is None else (y, new_residual)
     if len(parts) > 1:  # the sum as the kernel forms it
         x = _parts_sum(parts)
-    out = rms_norm_reference(x, weight, eps, residual) if rms else layer_norm_reference(x, weight, bias, eps, residual)
-    if out_dtype is None:
-        return out
-    return out.to(out_dtype) if residual is None else (out[0].to(out_dtype), out[1])
+    y = rms_norm_reference(x, weight, eps, residual) if rms else layer_norm_reference(x, weight, bias, eps, residual)
+    y, new_residual = (y, None) if residual is None else y
+    if out_dtype is not None:
+        y = y.to(out_dtype)
+    if out is not None:  # filled as well; y stays a tensor of its own (autograd's)
+        out.copy_(y.detach())
+    return y if residual is None else (y, new_residual)
 
 
 def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
-               residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None):
+               residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+               out: Optional[torch.Tensor] = None):
     """LayerNorm over the last dim of x [..., n] with fp32 statistics; weight/bias [n].
 
     Returns y (x's dtype, or `out_dtype`: the fp32 result rounded once, as a later cast would), or
@@ -64,15 +77,19 @@ def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = No
     once to the first part's dtype (tpflash.kernels.sum_parts' bits) inside the kernel (with a
     residual, up to four parts), the sum never written on its own; only the first part gets a
     gradient (the others are other ranks' contributions, whose gradients their ranks compute).
+    `out`: a contiguous tensor of x's shape and y's dtype that y is written into, so that y lies where
+    its consumer reads it (a column layer's gathered-input buffer: ParallelAttention.input_slot); the
+    Triton kernels return y as a view of it, the reference path returns a tensor of its own and fills
+    out with the same values. ValueError for an out of another shape, dtype or device.
     """
-    return _norm(x, weight, bias, eps, residual, False, out_dtype)
+    return _norm(x, weight, bias, eps, residual, False, out_dtype, out)
 
 
 def rms_norm(x: Parts, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
-             out_dtype: Optional[torch.dtype] = None):
+             out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None):
     """RMSNorm x * rsqrt(mean(x^2) + eps) * weight over the last dim, fp32 statistics.
 
-    Same residual, parts and `out_dtype` conventions as `layer_norm`: with `residual`, returns
+    Same residual, parts, `out_dtype` and `out` conventions as `layer_norm`: with `residual`, returns
     (RMSNorm(x + residual), x + residual).
     """
-    return _norm(x, weight, None, eps, residual, True, out_dtype)
+    return _norm(x, weight, None, eps, residual, True, out_dtype, out)

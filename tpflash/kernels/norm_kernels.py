@@ -192,13 +192,13 @@ class _TritonNorm(torch.autograd.Function):
     and get no gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, rms, out_dtype, *more):
+    def forward(ctx, x, weight, bias, residual, eps, rms, out_dtype, out, *more):
         n = x.shape[-1]
         x2 = x.reshape(-1, n).contiguous()
         rows = x2.shape[0]
         parts = [p.reshape(-1, n).contiguous() for p in more]
         res2 = residual.reshape(-1, n).contiguous() if residual is not None else None
-        y = torch.empty_like(x2, dtype=out_dtype or x.dtype)
+        y = torch.empty_like(x2, dtype=out_dtype or x.dtype) if out is None else out.view(rows, n)
         res_out = torch.empty_like(res2) if residual is not None else None
         mean = torch.empty(rows, device=x.device, dtype=torch.float32)
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
@@ -229,14 +229,15 @@ class _TritonNorm(torch.autograd.Function):
         dx = dx.reshape(ctx.shape)
         more = (None,) * ctx.more_parts
         if ctx.has_residual:
-            return (dx_low.reshape(ctx.shape) if x_low else dx, dweight, dbias, dx, None, None, None) + more
-        return (dx, dweight, dbias, None, None, None, None) + more
+            return (dx_low.reshape(ctx.shape) if x_low else dx, dweight, dbias, dx, None, None, None, None) + more
+        return (dx, dweight, dbias, None, None, None, None, None) + more
 
 
-def triton_norm(x, weight, bias, eps: float, residual, rms: bool, out_dtype=None, more=()):
+def triton_norm(x, weight, bias, eps: float, residual, rms: bool, out_dtype=None, more=(), out=None):
     """(y, new_residual or None) from the Triton kernels; see tpflash.kernels.layer_norm. `more`: x's
-    further parts (with a residual; up to MAX_PARTS in all), added to x first, given no gradient."""
+    further parts (with a residual; up to MAX_PARTS in all), added to x first, given no gradient.
+    `out`: a contiguous tensor of x's shape and y's dtype that y is written into (y is a view of it)."""
     if more and (residual is None or len(more) >= MAX_PARTS):
         raise ValueError(f"triton_norm: x's further parts need a residual and at most {MAX_PARTS} parts in all "
                          f"(got {1 + len(more)}, residual={'given' if residual is not None else 'None'})")
-    return _TritonNorm.apply(x, weight, bias, residual, eps, rms, out_dtype, *more)
+    return _TritonNorm.apply(x, weight, bias, residual, eps, rms, out_dtype, out, *more)

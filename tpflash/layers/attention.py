@@ -25,7 +25,8 @@ from ..parallel.state import group_rank, group_size, resolve_cp_group, resolve_t
 from ..parallel.zigzag import zigzag_positions
 from .autocast_linear import linear
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe
-from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_linears, init_linear_full
+from .linear import (ColumnParallelLinear, InitMethod, RowParallelLinear, column_input_part, column_parallel_linears,
+                     init_linear_full)
 from .norm import HeadNorm
 from .rotary import RotaryEmbedding
 
@@ -172,6 +173,12 @@ class ParallelAttention(nn.Module):
             projections = (self.q_proj, self.k_proj, self.v_proj)
             groups += [tuple(p.weight for p in projections), tuple(p.bias for p in projections)]
         return groups
+
+    def input_part(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where forward's x (shaped like `like`) may be written by its producer so that the q/k/v
+        projection's gather takes it without a copy (tpflash.layers.linear.column_input_part), or None."""
+        return column_input_part(like, self.q_proj.weight, self.process_group, self.sequence_parallel,
+                                 self.q_proj.overlap, fp8=self.fp8)
 
     def _project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x -> q, k, v as [seq, batch, heads, head_dim] (q/k normalised per head with qk_norm)."""

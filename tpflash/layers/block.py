@@ -112,6 +112,10 @@ class ParallelTransformerBlock(nn.Module):
         # its output: no dropout on it, and no recomputation of it that would need the sum
         self.norm_sums_parts = not dropout and checkpoint in (None, "activation")
         self.attn.o_proj.output_parts = self.norm_sums_parts
+        # the norms write their outputs where the next layer's gather keeps its input (inside a CUDA graph
+        # capture, overlapped), sparing the gather its copy of this rank's rows; where nothing of the
+        # forward is recomputed before the backward reads those buffers
+        self.norms_write_in_place = checkpoint in (None, "activation")
 
     def hand_output_parts(self, enabled: bool) -> None:
         """Whether forward may return `out` as a tuple of parts whose sum it is (the MLP's reduce-scatter
@@ -176,12 +180,14 @@ class ParallelTransformerBlock(nn.Module):
         first = x[0] if isinstance(x, tuple) else x  # x may be parts (hand_output_parts)
         with comm.tp_grad_bucket(self.tp_partial_grad_parameters(), self.process_group), \
                 weight_casts.cast_once(self.weight_cast_groups(), weight_casts.compute_dtype(first)):
+            into = self.attn.input_part(first) if self.norms_write_in_place else None
             if residual is None:
-                h, residual = self.attn_norm(x), x
+                h, residual = self.attn_norm(x, out=into), x
             else:
-                h, residual = self.attn_norm(x, residual=residual)
+                h, residual = self.attn_norm(x, residual=residual, out=into)
             a = self._dropout(self.attn(h, **attn_kw))
-            h, residual = self.mlp_norm(a, residual=residual)
+            into = self.mlp.input_part(a[0] if isinstance(a, tuple) else a) if self.norms_write_in_place else None
+            h, residual = self.mlp_norm(a, residual=residual, out=into)
             return self._dropout(self._run_mlp(h)), residual
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *,

@@ -111,6 +111,19 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     return linears(x, weights, biases, fp8, fp8_amaxes)  # one GEMM over the stacked weights
 
 
+def column_input_part(like: torch.Tensor, first_weight: torch.Tensor, group, sequence_parallel: bool,
+                      overlap: Optional[bool] = None, seq_dim: int = 0,
+                      save_gathered_input: Optional[bool] = None, fp8: str = "off") -> Optional[torch.Tensor]:
+    """Where `column_parallel_linears(x, [first_weight, ...], ...)` with the same arguments finds this rank's
+    x without copying it, for an x shaped like `like`: a tensor that x's producer writes x into (the
+    norm before the layer: ParallelNorm's `out`), or None where the call copies x wherever it lies
+    (every path but the overlapped one keeping its input inside a CUDA graph capture:
+    tpflash.parallel.overlap.gathered_input_part). Process group: `group`."""
+    if fp8 != "off" or not _overlapped(sequence_parallel, seq_dim, group, overlap):
+        return None
+    return _overlap.gathered_input_part(like, first_weight, group, save_gathered_input)
+
+
 def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool, seq_dim: int = 0) -> torch.Tensor:
     """The full input of column-parallel GEMMs: under SP x [seq/tp, *, in] all-gathered along `seq_dim`
     (gradient reduce-scattered), else x itself (replicated; gradient all-reduced over `group`).

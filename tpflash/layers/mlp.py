@@ -16,7 +16,8 @@ from ..kernels.fp8 import E4M3, E5M2, Fp8Handoff
 from ..kernels.reference import ACTIVATION_FUNCTIONS
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe
 from .recompute import recomputed_when_saved
-from .linear import ColumnParallelLinear, InitMethod, RowParallelLinear, column_parallel_input, column_parallel_linears
+from .linear import (ColumnParallelLinear, InitMethod, RowParallelLinear, column_input_part, column_parallel_input,
+                     column_parallel_linears)
 
 ACTIVATIONS = ACTIVATION_FUNCTIONS  # the non-gated MLP's: "gelu" (tanh, GPT-2's), "gelu_exact", "relu"
 MLPS = tuple(ACTIVATIONS) + ("swiglu",)
@@ -117,6 +118,14 @@ class ParallelMLP(nn.Module):
         grad = Fp8Handoff(self.fp8_history.dy, E5M2) if self.up_proj.bias is None else None
         h = Fp8Handoff(self.down_proj.fp8_history.x, E4M3) if not self.down_proj.local_padding else None
         return grad, h
+
+    def input_part(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where forward's x (shaped like `like`) may be written by its producer so that the up (and gate)
+        projection's gather takes it without a copy (tpflash.layers.linear.column_input_part), or None."""
+        if self.fused_dense:
+            return None
+        return column_input_part(like, self.up_proj.weight, self.process_group, self.sequence_parallel,
+                                 self.up_proj.overlap, fp8=self.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_dense:

@@ -61,16 +61,17 @@ class ParallelNorm(nn.Module):
         """The parameters whose gradient each tp rank holds only a part of: under SP, weight and bias."""
         return [p for p in (self.weight, self.bias) if p is not None] if self.sequence_parallel else []
 
-    def forward(self, x: Union[torch.Tensor, Sequence[torch.Tensor]], residual: Optional[torch.Tensor] = None
-                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    def forward(self, x: Union[torch.Tensor, Sequence[torch.Tensor]], residual: Optional[torch.Tensor] = None,
+                out: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """out: where y is written (kernels.layer_norm's `out`), e.g. the next column layer's input slot."""
         weight, bias = self._params()
         first = x[0] if isinstance(x, (tuple, list)) else x
         out_dtype = None
         if self.autocast_output and first.is_floating_point() and torch.is_autocast_enabled(first.device.type):
             out_dtype = torch.get_autocast_dtype(first.device.type)
         if self.kind == "layernorm":
-            return kernels.layer_norm(x, weight, bias, self.eps, residual, out_dtype)
-        return kernels.rms_norm(x, weight, self.eps, residual, out_dtype)
+            return kernels.layer_norm(x, weight, bias, self.eps, residual, out_dtype, out)
+        return kernels.rms_norm(x, weight, self.eps, residual, out_dtype, out)
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, kind={self.kind}, eps={self.eps}, bias={self.bias is not None}, "

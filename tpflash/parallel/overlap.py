@@ -34,10 +34,12 @@ import torch.nn as nn
 
 from . import peer_collectives
 from .held_work import HeldWork
-from .overlap_gemms import _ColumnLinearOverPeers, _RowLinearOverPeers, copy_engines_reach, linear_compute_dtype
+from .overlap_gemms import (_ColumnLinearOverPeers, _RowLinearOverPeers, copy_engines_reach, kept_input_part,
+                            linear_compute_dtype)
 from .state import group_size
 
-__all__ = ["all_gather_linear", "capture_decision", "copy_engines_reach", "keeps_gathered_input", "layer_overlaps",
+__all__ = ["all_gather_linear", "capture_decision", "copy_engines_reach", "gathered_input_part", "keeps_gathered_input",
+           "layer_overlaps",
            "linear_compute_dtype", "linear_reduce_scatter", "overlapping_for_capture", "set_overlap"]
 
 _ENV = "TPFLASH_OVERLAP"
@@ -147,6 +149,19 @@ def keeps_gathered_input(save_gathered_input: Optional[bool]) -> bool:
     tp=4 step 6% shorter and gpt-2.7b's and llama-1b's tp=2 steps 1.1-1.5% shorter
     (docs/performance.md, "TP efficiency")."""
     return True if save_gathered_input is None else bool(save_gathered_input)
+
+
+def gathered_input_part(like: torch.Tensor, owner: torch.Tensor, group,
+                        save_gathered_input: Optional[bool] = None) -> Optional[torch.Tensor]:
+    """Where `all_gather_linear(x, [owner, ...], group=group, save_gathered_input=...)` finds this rank's
+    rows of x without copying them: in the work a CUDA graph captures over copy engines that reach
+    the group, a kept input lies in a buffer of the layer's own (peer_collectives.kept_buffer) and
+    this rank's rows have their place in it. Returned as a [like.shape] tensor of the dtype the GEMMs
+    compute in for an x like `like` (the producer of x, e.g. the norm before the layer, writes x
+    into it); None where the gather keeps no such buffer. Process group: `group`."""
+    if group_size(group) == 1 or not keeps_gathered_input(save_gathered_input):
+        return None
+    return kept_input_part(like, group, owner)
 
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,

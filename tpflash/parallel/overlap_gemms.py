@@ -30,6 +30,7 @@ what the CPU tests run). Process group: the tp group passed in.
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -123,14 +124,33 @@ def _all_gather(x: torch.Tensor, group, keep: bool = True, whole: bool = False,
     (peer_collectives.kept_buffer), which `finish` returns as it is: nothing copied out, the capture
     guaranteeing the one backward per forward that keeps it valid."""
     if copy_engines_reach(x, group):
-        kept = None
-        if keep and owner is not None and peer_collectives.capturing_for_graphs():
-            nbytes = dist.get_world_size(group) * x.numel() * x.element_size()
-            kept = peer_collectives.kept_buffer(owner, group, x.device, nbytes)
+        kept = _kept_buffer(x.shape, x.dtype, x.device, group, owner) if keep and owner is not None else None
         pushes = peer_collectives.side_stream(x.device)
         return peer_collectives.PeerAllGather(x, group, pushes, keep=keep, by_piece=True,
                                               whole=whole, kept=kept)
     return _GroupAllGather(x, group)
+
+
+def _kept_buffer(shape, dtype: torch.dtype, device: torch.device, group, owner: torch.Tensor):
+    """The buffer of owner's own that a kept all-gather of a [shape] dtype input over group (copy engines
+    reaching it) lands in, in the work a CUDA graph captures (peer_collectives.kept_buffer); else None."""
+    if not peer_collectives.capturing_for_graphs():
+        return None
+    nbytes = dist.get_world_size(group) * math.prod(shape) * dtype.itemsize
+    return peer_collectives.kept_buffer(owner, group, device, nbytes)
+
+
+def kept_input_part(like: torch.Tensor, group, owner: torch.Tensor) -> Optional[torch.Tensor]:
+    """Where this rank's rows of a kept all-gather (`_ColumnLinearOverPeers` keeping its input, owner its
+    first weight) lie in the owner's buffer, as a [like.shape] tensor of the dtype the layer computes
+    in for input `like`: a producer that writes the layer's input there spares the gather its copy.
+    None where the gather keeps nothing in such a buffer (outside a graph capture, or the copy
+    engines not reaching the group)."""
+    if not (peer_collectives.capturing_for_graphs() and copy_engines_reach(like, group)):
+        return None
+    dtype = linear_compute_dtype(like)
+    kept = _kept_buffer(like.shape, dtype, like.device, group, owner)
+    return None if kept is None else peer_collectives.kept_part(kept, group, like.shape, dtype)
 
 
 def _reduce_scatter(group, shape, like: torch.Tensor):

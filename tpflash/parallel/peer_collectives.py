@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import math
 import os
 import socket
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -41,7 +42,7 @@ from .peer_workspace import _side_wait, _side_wait_back, _slot_bytes, _take_turn
 from .peer_workspace import graph_epoch, kept_buffer
 
 __all__ = ["BACKENDS", "PeerAllGather", "PeerReduceScatter", "all_gather", "available", "can_map_peers",
-           "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "kept_buffer", "peer_access",
+           "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "kept_buffer", "kept_part", "peer_access",
            "reachable", "reduce_scatter", "reduce_scatter_pieces", "side_stream", "start_reduce_scatter",
            "use_copy_engine"]
 
@@ -172,7 +173,7 @@ class PeerAllGather:
     returns them as one [world*n, ...] tensor, a view of this rank's buffer (valid until `finish`),
     where the slots lie end to end (no padding; else None). With `kept` (a buffer of this call's
     own, peer_workspace.kept_buffer, of world * x's bytes) the parts are pushed there instead, x is
-    copied into this rank's slot, and `finish()` returns that buffer as the gathered [world*n, ...]
+    copied into this rank's slot (unless it lies there already: `kept_part`), and `finish()` returns that buffer as the gathered [world*n, ...]
     tensor: kept for a backward without a copy out of the shared workspace, valid until any rank's
     next gather into the same buffer, whose pushes start at once: the caller sees that every rank has
     read it by then (in a model, the collectives between a layer's backward and its next forward).
@@ -210,8 +211,10 @@ class PeerAllGather:
                 parts[self.rank].copy_(self.x)
             # the parts as one tensor in this rank's buffer, where the slots hold exactly one part each
             self.adjacent = kept is not None or (whole and not keep and self.slot == self.x.numel() * self.x.element_size())
-            if self.adjacent:
-                self._view(self.rank, self.rank).copy_(self.x)
+            self.own_copied = None  # where x was copied into this rank's slot: when that is done
+            own = self._view(self.rank, self.rank) if self.adjacent else None
+            if own is not None and own.data_ptr() != self.x.data_ptr():  # x written there already: no copy
+                own.copy_(self.x)
                 self.own_copied = torch.cuda.Event()
                 self.own_copied.record(self.stream)
             self.ws.barrier()  # every rank's part is here
@@ -264,7 +267,8 @@ class PeerAllGather:
             return None
         for r in self.order()[1:]:
             self._wait_for(r)
-        torch.cuda.current_stream().wait_event(self.own_copied)
+        if self.own_copied is not None:
+            torch.cuda.current_stream().wait_event(self.own_copied)
         return self._view(self.rank, 0, parts=self.world)
 
     def finish(self) -> Optional[torch.Tensor]:
@@ -351,6 +355,14 @@ class PeerReduceScatter:
             self.ws.barrier()  # every rank has summed its slots: the buffers may be written again
         self.sent = []
         return out
+
+
+def kept_part(kept: _Workspace, group, shape, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's part [shape] of dtype in a kept buffer (peer_workspace.kept_buffer), where
+    PeerAllGather(x, group, kept=kept) puts x: a producer that writes x there spares the gather its
+    copy of this rank's rows."""
+    rank, nbytes = dist.get_rank(group), math.prod(shape) * dtype.itemsize
+    return kept.view(rank, rank * nbytes, shape, dtype)
 
 
 def reduce_scatter_pieces(fulls: Sequence[torch.Tensor], group, out_dtype: torch.dtype) -> torch.Tensor:
