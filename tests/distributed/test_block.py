@@ -193,8 +193,10 @@ def test_the_norms_write_their_outputs_where_the_projections_name_and_the_block_
                 places.append(torch.full_like(like, float("nan")))
                 return places[-1]
             block.attn.input_part = block.mlp.input_part = named
-        hooks = [norm.register_forward_hook(lambda m, args, out: outputs.append((out[0] if isinstance(out, tuple) else out).detach()))
-                 for norm in (block.attn_norm, block.mlp_norm)]
+        def keep_output(module, args, out):  # y, or (y, new residual)
+            outputs.append((out[0] if isinstance(out, tuple) else out).detach())
+
+        hooks = [norm.register_forward_hook(keep_output) for norm in (block.attn_norm, block.mlp_norm)]
         outputs.clear()
         out, residual = block(x)
         (out + residual).square().sum().backward()
@@ -207,3 +209,10 @@ def test_the_norms_write_their_outputs_where_the_projections_name_and_the_block_
         assert not places, "a block that recomputes its forward named places for its norms"
     else:
         assert len(places) == 2 and all(torch.equal(p, o) for p, o in zip(places, outputs[:2]))
+
+
+def test_a_block_refuses_parts_without_a_residual():
+    block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, **GPT2)
+    x = torch.randn(8, 2, HIDDEN)
+    with pytest.raises(ValueError, match="x is a tuple of 2 parts but residual is None"):
+        block((x, x))

@@ -78,7 +78,7 @@ def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = No
     residual, up to four parts), the sum never written on its own; only the first part gets a
     gradient (the others are other ranks' contributions, whose gradients their ranks compute).
     `out`: a contiguous tensor of x's shape and y's dtype that y is written into, so that y lies where
-    its consumer reads it (a column layer's gathered-input buffer: ParallelAttention.input_slot); the
+    its consumer reads it (a column layer's gathered-input buffer: ParallelAttention.input_part); the
     Triton kernels return y as a view of it, the reference path returns a tensor of its own and fills
     out with the same values. ValueError for an out of another shape, dtype or device.
     """

@@ -193,6 +193,9 @@ class ParallelTransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *,
                 position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
                 max_seqlen: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, tuple) and residual is None:
+            raise ValueError(f"x is a tuple of {len(x)} parts but residual is None: parts (a previous block's "
+                             "out under hand_output_parts) come with that block's residual")
         attn_kw = {}
         if position_ids is not None or cu_seqlens is not None:  # packed documents (ParallelAttention.forward)
             attn_kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)

@@ -63,7 +63,7 @@ class ParallelNorm(nn.Module):
 
     def forward(self, x: Union[torch.Tensor, Sequence[torch.Tensor]], residual: Optional[torch.Tensor] = None,
                 out: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        """out: where y is written (kernels.layer_norm's `out`), e.g. the next column layer's input slot."""
+        """out: where y is written (kernels.layer_norm's `out`), e.g. the next column layer's `input_part`."""
         weight, bias = self._params()
         first = x[0] if isinstance(x, (tuple, list)) else x
         out_dtype = None

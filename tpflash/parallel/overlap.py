@@ -39,8 +39,7 @@ from .overlap_gemms import (_ColumnLinearOverPeers, _RowLinearOverPeers, copy_en
 from .state import group_size
 
 __all__ = ["all_gather_linear", "capture_decision", "copy_engines_reach", "gathered_input_part", "keeps_gathered_input",
-           "layer_overlaps",
-           "linear_compute_dtype", "linear_reduce_scatter", "overlapping_for_capture", "set_overlap"]
+           "layer_overlaps", "linear_compute_dtype", "linear_reduce_scatter", "overlapping_for_capture", "set_overlap"]
 
 _ENV = "TPFLASH_OVERLAP"
 _BACKEND_ENV = "TPFLASH_OVERLAP_BACKEND"  # only "copy_engine" (or "auto") is accepted: one design

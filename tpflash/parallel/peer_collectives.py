@@ -42,8 +42,8 @@ from .peer_workspace import _side_wait, _side_wait_back, _slot_bytes, _take_turn
 from .peer_workspace import graph_epoch, kept_buffer
 
 __all__ = ["BACKENDS", "PeerAllGather", "PeerReduceScatter", "all_gather", "available", "can_map_peers",
-           "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "kept_buffer", "kept_part", "peer_access",
-           "reachable", "reduce_scatter", "reduce_scatter_pieces", "side_stream", "start_reduce_scatter",
+           "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "kept_buffer", "kept_part",
+           "peer_access", "reachable", "reduce_scatter", "reduce_scatter_pieces", "side_stream", "start_reduce_scatter",
            "use_copy_engine"]
 
 _ENV = "TPFLASH_COMM_BACKEND"
@@ -173,10 +173,11 @@ class PeerAllGather:
     returns them as one [world*n, ...] tensor, a view of this rank's buffer (valid until `finish`),
     where the slots lie end to end (no padding; else None). With `kept` (a buffer of this call's
     own, peer_workspace.kept_buffer, of world * x's bytes) the parts are pushed there instead, x is
-    copied into this rank's slot (unless it lies there already: `kept_part`), and `finish()` returns that buffer as the gathered [world*n, ...]
-    tensor: kept for a backward without a copy out of the shared workspace, valid until any rank's
-    next gather into the same buffer, whose pushes start at once: the caller sees that every rank has
-    read it by then (in a model, the collectives between a layer's backward and its next forward).
+    copied into this rank's slot (unless it lies there already: `kept_part`), and `finish()` returns
+    that buffer as the gathered [world*n, ...] tensor: kept for a backward without a copy out of the
+    shared workspace, valid until any rank's next gather into the same buffer, whose pushes start at
+    once: the caller sees that every rank has read it by then (in a model, the collectives between a
+    layer's backward and its next forward).
     At most one other call on the group may be issued in between, and the parts must be used before
     it finishes (or, with `kept`, be read from the buffer).
     """
