@@ -1,4 +1,6 @@
 """Triton LayerNorm / RMSNorm (+ fused residual) vs a float64 reference, forward and backward."""
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -187,18 +189,25 @@ def test_the_fused_add_normalises_the_residual_it_returns(backend, rms):
         assert torch.equal(new_residual, x + r)
 
 
-def _parts_check(rms, n_parts, device):
-    """x given as parts (bf16, as a reduce-scatter leaves them) with an fp32 residual: y and the new
-    residual are those of the parts' fp32 sum rounded once to bf16 (kernels.sum_parts), and only the
-    first part gets a gradient, x's."""
-    torch.manual_seed(4)
+def _parts_case(rms, n_parts, device, seed):
+    """(shape, x's bf16 parts, an fp32 residual, norm(x, residual, **kw)) with random weights."""
+    torch.manual_seed(seed)
     shape = (6, 5, 48)
     parts = [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(n_parts)]
     r = torch.randn(shape, device=device)
     w = (1 + 0.1 * torch.randn(48, device=device))
     b = None if rms else 0.1 * torch.randn(48, device=device)
-    fn = (lambda x, residual: rms_norm(x, w, residual=residual)) if rms else \
-        (lambda x, residual: layer_norm(x, w, b, residual=residual))
+
+    def norm(x, residual, **kw):
+        return rms_norm(x, w, residual=residual, **kw) if rms else layer_norm(x, w, b, residual=residual, **kw)
+    return shape, parts, r, norm
+
+
+def _parts_check(rms, n_parts, device):
+    """x given as parts (bf16, as a reduce-scatter leaves them) with an fp32 residual: y and the new
+    residual are those of the parts' fp32 sum rounded once to bf16 (kernels.sum_parts), and only the
+    first part gets a gradient, x's."""
+    shape, parts, r, fn = _parts_case(rms, n_parts, device, seed=4)
     xs = [parts[0].clone().requires_grad_()] + parts[1:]
     rs = r.clone().requires_grad_()
     y, res = fn(xs, rs)
@@ -245,21 +254,14 @@ def test_norm_parts_of_another_shape_are_refused():
 def _out_check(rms, n_parts, device, backend):
     """With `out`, y's values land in out (the Triton kernels return y as a view of it; the reference
     path fills it beside y) and everything else is as without it: y, the new residual, the gradients."""
-    torch.manual_seed(5)
-    shape = (6, 5, 48)
-    parts = [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(n_parts)]
-    r = torch.randn(shape, device=device)
-    w = (1 + 0.1 * torch.randn(48, device=device))
-    b = None if rms else 0.1 * torch.randn(48, device=device)
-    fn = (lambda x, residual, out=None: rms_norm(x, w, residual=residual, out_dtype=torch.bfloat16, out=out)) \
-        if rms else (lambda x, residual, out=None: layer_norm(x, w, b, residual=residual, out_dtype=torch.bfloat16,
-                                                               out=out))
+    shape, parts, r, norm = _parts_case(rms, n_parts, device, seed=5)
+    fn = partial(norm, out_dtype=torch.bfloat16)
     runs = []
     for out in (None, torch.full(shape, float("nan"), device=device, dtype=torch.bfloat16)):
         xs = [parts[0].clone().requires_grad_()] + parts[1:]
         rs = r.clone().requires_grad_()
         with use_backend(backend):
-            y, res = fn(xs if n_parts > 1 else xs[0], rs, out)
+            y, res = fn(xs if n_parts > 1 else xs[0], rs, out=out)
             (y.float() * torch.linspace(-1, 1, y.numel(), device=device).view(shape)).sum().backward()
         runs.append((y.detach(), res.detach(), xs[0].grad, rs.grad, out))
     (y, res, dx, dr, _), (y_out, res_out, dx_out, dr_out, out) = runs
