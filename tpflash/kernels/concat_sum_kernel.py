@@ -67,16 +67,16 @@ def _row_strides(x: torch.Tensor) -> Tuple[int, int]:
     return (x.stride(0), x.stride(1)) if x.dim() == 3 else (x.stride(0), 0)
 
 
-def triton_concat_with_column_sum(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+def triton_concat_with_column_sum(parts: Sequence[torch.Tensor], launch=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(torch.cat(parts, -1) as a contiguous [rows, sum cols] matrix, its fp32 [sum cols] column sums)
     for 1-3 parts of one dtype, each [rows, c_i] or [outer, inner, c_i] (the same leading sizes) with
-    last-dim stride 1."""
+    last-dim stride 1. `launch` overrides keys of the launch rule (benchmarks/tune_bias_activation.py)."""
     lead = parts[0].shape[:-1]
     rows, inner = lead.numel(), (lead[1] if len(lead) == 2 else 1)
     cols = [p.shape[-1] for p in parts]
     total = sum(cols)
     x = parts[0]
-    cfg = LAUNCH[True] if x.is_cuda else INTERPRET_LAUNCH
+    cfg = dict(LAUNCH[True] if x.is_cuda else INTERPRET_LAUNCH, **(launch or {}))
     sms = _sm_count(x.device) if x.is_cuda else INTERPRET_SMS
     column_blocks = sum(triton.cdiv(c, cfg["BLOCK_C"]) for c in cols)
     rows_per_split, splits = _grid_rows(rows, column_blocks, sms, cfg)
