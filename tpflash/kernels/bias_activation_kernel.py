@@ -74,13 +74,13 @@ def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, st
 
 # The launch per direction: [BLOCK_R, BLOCK_C] tiles, WARPS warps, PER_SM programs per SM (column
 # blocks x row splits, column_sum_kernel's rule; 4096: one tile per program), STAGES of pipelined
-# loads in the row loop. Chosen with benchmarks/tune_bias_activation.py (docs/performance.md,
-# "Memory-bound kernels"). The forward, swept on an H100 over [8192, 5120 | 8192 | 10240] bf16, runs
-# at torch's F.gelu speed (90.8 vs 90.1 us at [8192, 8192]). The backward's rule is also
-# concat_sum_kernel's; swept on an H200 over gpt-2.7b's widths at tp 1, 2 and 4 ([8192, 10240 |
-# 5120 | 2560] and 3 x [2048, 4, 2560 | 1280 | 640]), it is the fastest or within 4% of it on each.
-# Many programs of one tile each (32 per SM) ran 13-45% slower there as the widths shrank with tp.
-LAUNCH = {False: {"BLOCK_R": 1, "BLOCK_C": 1024, "WARPS": 4, "PER_SM": 4096, "STAGES": 1},
+# loads in the row loop. Chosen with benchmarks/tune_bias_activation.py on an H200 over gpt-2.7b's
+# widths at tp 1, 2 and 4 ([8192, 10240 | 5120 | 2560] bf16; docs/performance.md, "Memory-bound
+# kernels"). The forward: 16 x 256 tiles, one per program, 85.9 and 23.6 us at 10240 and 2560
+# columns, against 97.4 and 29.0 for rows of 1,024 columns one at a time. The backward's rule is
+# also concat_sum_kernel's (3 x [2048, 4, 2560 | 1280 | 640] too): the fastest or within 4% of it
+# on each shape; many one-tile programs (32 per SM) ran 13-45% slower as the widths shrank with tp.
+LAUNCH = {False: {"BLOCK_R": 16, "BLOCK_C": 256, "WARPS": 4, "PER_SM": 4096, "STAGES": 1},
           True: {"BLOCK_R": 32, "BLOCK_C": 64, "WARPS": 4, "PER_SM": 4, "STAGES": 3}}
 MAX_SPLITS = 65535  # the grid's second dimension
 INTERPRET_LAUNCH = {"BLOCK_R": 16, "BLOCK_C": 32, "WARPS": 1, "PER_SM": 4, "STAGES": 1}  # CPU: small tiles
