@@ -27,8 +27,9 @@ def _check(shape, rotary_dim, interleaved, dtype=torch.float32, device="cpu"):
 
 @needs_interpreter
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
-@pytest.mark.parametrize("shape, rotary_dim", [((2, 7, 3, 16), 16), ((2, 7, 3, 20), 12), ((7, 3, 16), 10)],
-                         ids=["full", "partial", "varlen"])
+@pytest.mark.parametrize("shape, rotary_dim", [((2, 7, 3, 16), 16), ((2, 7, 3, 20), 12), ((7, 3, 16), 10),
+                                               ((2, 37, 1, 16), 16)],
+                         ids=["full", "partial", "varlen", "one_head_many_positions_per_program"])
 def test_rotary_matches_reference(interleaved, shape, rotary_dim):
     _check(shape, rotary_dim, interleaved)
 
@@ -62,5 +63,7 @@ def test_rotary_rejects_cos_of_the_wrong_length():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
-def test_rotary_matches_reference_on_gpu(interleaved):
-    _check((4, 1024, 16, 128), 128, interleaved, torch.bfloat16, DEVICE)
+@pytest.mark.parametrize("shape", [(4, 1024, 16, 128), (4, 2048, 1, 64), (3, 1000, 2, 64)],
+                         ids=["heads16", "one_kv_head", "seq_not_a_block_multiple"])
+def test_rotary_matches_reference_on_gpu(interleaved, shape):
+    _check(shape, shape[-1], interleaved, torch.bfloat16, DEVICE)

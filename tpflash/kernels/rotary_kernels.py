@@ -1,7 +1,9 @@
 """Triton rotary embedding (half-split or interleaved pairs), in or out of place, and its backward.
 
-A program rotates BLOCK_H heads of one (batch, position): it loads cos/sin of that position once
-and the two halves of each pair as two [BLOCK_H, half] tiles. The backward is the same kernel
+A program rotates BLOCK_H heads at BLOCK_S positions of one batch row: it loads cos/sin of those
+positions once and the two halves of each pair as two [BLOCK_S, BLOCK_H, half] tiles. Several
+positions per program keep the programs large where the heads are few (k under GQA, a tp rank's
+share of the heads): one position per program left a k of one head to thousands of tiny programs. The backward is the same kernel
 rotating by the opposite angle (CONJ negates sin).
 """
 from __future__ import annotations
@@ -12,32 +14,41 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotary_kernel(X, OUT, COS, SIN, sxb, sxs, sxh, sob, sos, soh, scs, heads, half,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr):
-    s = tl.program_id(0).to(tl.int64)
+def _rotary_kernel(X, OUT, COS, SIN, sxb, sxs, sxh, sob, sos, soh, scs, seq, heads, half,
+                   BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, CONJ: tl.constexpr):
+    # one [BLOCK_S positions, BLOCK_H heads, BLOCK_HALF pairs] tile of one batch row
+    ss = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     b = tl.program_id(1).to(tl.int64)
     hs = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_HALF)
-    c = tl.load(COS + s * scs + i, mask=i < half, other=1.0).to(tl.float32)[None, :]
-    sn = tl.load(SIN + s * scs + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
+    s3 = ss.to(tl.int64)[:, None, None]
+    h3 = hs[None, :, None]
+    i3 = i[None, None, :]
+    angle_mask = (ss < seq)[:, None, None] & (i3 < half)
+    c = tl.load(COS + s3 * scs + i3, mask=angle_mask, other=1.0).to(tl.float32)  # [BLOCK_S, 1, BLOCK_HALF]
+    sn = tl.load(SIN + s3 * scs + i3, mask=angle_mask, other=0.0).to(tl.float32)
     if CONJ:
         sn = -sn
     if INTERLEAVED:
-        first, second = 2 * i, 2 * i + 1
+        first, second = 2 * i3, 2 * i3 + 1
     else:
-        first, second = i, i + half
-    mask = (hs < heads)[:, None] & (i < half)[None, :]
-    xrow = X + b * sxb + s * sxs + hs[:, None] * sxh
-    orow = OUT + b * sob + s * sos + hs[:, None] * soh
-    x1 = tl.load(xrow + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xrow + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(orow + first[None, :], (x1 * c - x2 * sn).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(orow + second[None, :], (x2 * c + x1 * sn).to(OUT.dtype.element_ty), mask=mask)
+        first, second = i3, i3 + half
+    mask = angle_mask & (h3 < heads)
+    xrow = X + b * sxb + s3 * sxs + h3 * sxh
+    orow = OUT + b * sob + s3 * sos + h3 * soh
+    x1 = tl.load(xrow + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xrow + second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(orow + first, (x1 * c - x2 * sn).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(orow + second, (x2 * c + x1 * sn).to(OUT.dtype.element_ty), mask=mask)
 
 
 def _as_4d(t):
     """[batch, seq, heads, dim] view of a [seq, heads, dim] or [batch, seq, heads, dim] tensor."""
     return t.unsqueeze(0) if t.dim() == 3 else t
+
+
+PAIRS_PER_PROGRAM = 2048  # rotated pairs a program takes: few heads (k under GQA, tp) still fill it
 
 
 def rotate(x, out, cos, sin, interleaved: bool, conj: bool):
@@ -47,11 +58,12 @@ def rotate(x, out, cos, sin, interleaved: bool, conj: bool):
     half = cos.shape[-1]
     cos, sin = cos.contiguous(), sin.contiguous()
     block_half = max(triton.next_power_of_2(half), 2)
-    block_h = max(1, min(triton.next_power_of_2(heads), 4096 // block_half))
-    grid = (seq, batch, triton.cdiv(heads, block_h))
-    _rotary_kernel[grid](x4, o4, cos, sin, *x4.stride()[:3], *o4.stride()[:3], cos.stride(0), heads, half,
-                         BLOCK_H=block_h, BLOCK_HALF=block_half, INTERLEAVED=interleaved, CONJ=conj,
-                         num_warps=4 if block_h * block_half >= 1024 else 1)
+    block_h = max(1, min(triton.next_power_of_2(heads), PAIRS_PER_PROGRAM // block_half))
+    block_s = max(1, min(triton.next_power_of_2(seq), PAIRS_PER_PROGRAM // (block_h * block_half)))
+    grid = (triton.cdiv(seq, block_s), batch, triton.cdiv(heads, block_h))
+    _rotary_kernel[grid](x4, o4, cos, sin, *x4.stride()[:3], *o4.stride()[:3], cos.stride(0), seq, heads, half,
+                         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=block_half, INTERLEAVED=interleaved,
+                         CONJ=conj, num_warps=4 if block_s * block_h * block_half >= 1024 else 1)
     if 2 * half < dim and out.data_ptr() != x.data_ptr():
         o4[..., 2 * half:] = x4[..., 2 * half:]
     return out
