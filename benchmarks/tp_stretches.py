@@ -17,7 +17,11 @@ tp=N's stretches are set against 1/N of tp=1's (what perfect scaling would give)
 the time the GEMM kernels that start in each stretch run (on any stream; mean per block for the
 blocks' stretches): at tp=N GEMMs as wide as 1/N of tp=1's, beside the transfers, may run slower.
 
-    python3 benchmarks/tp_stretches.py TP1_TRACE TPN_TRACE --tp N [--blocks L]
+    python3 benchmarks/tp_stretches.py TP1_TRACE TPN_TRACE --tp N [--blocks L] [--kernels K]
+
+--kernels K adds the K kernels other than GEMMs whose time in the step (by name, digits folded,
+any stream) exceeds 1/N of tp=1's the most: the memory-bound kernels whose launches do not shrink
+with the widths, the collectives' kernels, the copies that tp=1 does not run.
 
 The attention kernels are found by name (cuDNN's and tpflash's Triton kernels by default; --forward and
 --backward take other regular expressions), and so are the GEMMs (cuBLAS's by default; --gemms). The trace must hold a step from its start and the next
@@ -98,6 +102,25 @@ def busy(kernels: List[Kernel], spans: List[Tuple[float, float]], pattern: str) 
     return total / len(spans)
 
 
+def kernel_times(kernels: List[Kernel], span: Tuple[float, float], exclude: str) -> Dict[str, float]:
+    """Time (us) per kernel name (digits folded to '#', so one kernel at other shapes or template
+    arguments is one name) of the kernels that start in `span`, leaving out those matching `exclude`."""
+    regex, times = re.compile(exclude), {}
+    for ts, dur, name in kernels:
+        if span[0] <= ts < span[1] and not regex.search(name):
+            key = re.sub(r"\d+", "#", name)[:100]
+            times[key] = times.get(key, 0.0) + dur
+    return times
+
+
+def kernel_table(one: Dict[str, float], tp_n: Dict[str, float], tp: int, top: int) -> str:
+    """Markdown rows of the `top` kernel names whose step time at tp=N exceeds 1/tp of tp=1's the most."""
+    over = sorted(((tp_n.get(k, 0.0) - one.get(k, 0.0) / tp, k) for k in set(one) | set(tp_n)), reverse=True)
+    rows = [f"| kernel | 1/{tp} of tp=1 | tp={tp} | over |", "|---|---:|---:|---:|"]
+    rows += [f"| `{k}` | {one.get(k, 0.0) / tp:,.0f} | {tp_n.get(k, 0.0):,.0f} | {d:+,.0f} |" for d, k in over[:top]]
+    return "\n".join(rows)
+
+
 def table(one: Dict[str, float], tp_n: Dict[str, float], tp: int, gemms=None) -> str:
     """Markdown rows: each stretch at 1/tp of tp=1, at tp=N, and the difference (us); with `gemms` (the
     GEMMs' time per stretch, a dict like `one` for tp=1 and for tp=N) the same three for them."""
@@ -122,16 +145,22 @@ def main() -> None:
     p.add_argument("--forward", default=FORWARD, help="regular expression of the forward attention kernel")
     p.add_argument("--backward", default=BACKWARD, help="regular expression of the backward attention kernel")
     p.add_argument("--gemms", default=GEMMS, help="regular expression of the GEMM kernels")
+    p.add_argument("--kernels", type=int, default=0, metavar="K",
+                   help="also list the K other kernels that lose the most time in the step against 1/N of tp=1")
     args = p.parse_args()
-    found, gemms = [], []
+    found, gemms, named = [], [], []
     for path in (args.tp1_trace, args.tpn_trace):
         kernels = load_kernels(path)
         forward, backward = starts(kernels, args.forward), starts(kernels, args.backward)
         blocks = args.blocks or blocks_in_step(forward, backward)
         found.append(stretches(forward, backward, blocks))
-        gemms.append({name: busy(kernels, spans, args.gemms)
-                      for name, spans in windows(forward, backward, blocks).items()})
+        spans = windows(forward, backward, blocks)
+        gemms.append({name: busy(kernels, window, args.gemms) for name, window in spans.items()})
+        named.append(kernel_times(kernels, spans["step"][0], args.gemms))
     print(table(*found, args.tp, gemms))
+    if args.kernels:
+        print()
+        print(kernel_table(*named, args.tp, args.kernels))
 
 
 if __name__ == "__main__":

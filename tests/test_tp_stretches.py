@@ -7,7 +7,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from tp_stretches import blocks_in_step, busy, kernel_starts, load_kernels, stretches, table, windows  # noqa: E402
+from tp_stretches import (blocks_in_step, busy, kernel_starts, kernel_table, kernel_times, load_kernels,  # noqa: E402
+                          stretches, table, windows)
 
 
 def _trace(path, kernels):
@@ -72,3 +73,23 @@ def test_the_gemm_columns_set_tp_n_against_a_tpth_of_tp1():
     rows = table(one, half, 2, (gemm_one, gemm_half)).splitlines()
     assert rows[0].endswith("| GEMMs, 1/2 of tp=1 | tp=2 | over |")
     assert rows[2] == "| block forward | 100 | 110 | +10 | 50 | 55 | +5 |"
+
+
+def test_the_kernels_time_in_the_step_is_summed_by_name_with_digits_folded_and_gemms_left_out(tmp_path):
+    path = str(tmp_path / "t.json.gz")
+    # in the step (10 to 400): two launches of one kernel at two tile sizes, a GEMM; after it: not counted
+    _trace(path, STEP + [("concat_128x64", 20.0, 5.0), ("concat_64x64", 120.0, 3.0), ("nvjet_a", 40.0, 9.0),
+                         ("concat_128x64", 410.0, 7.0)])
+    kernels = load_kernels(path)
+    forward, backward = kernel_starts(path, r"flash_fprop"), kernel_starts(path, r"flash_bprop")
+    times = kernel_times(kernels, windows(forward, backward, 2)["step"][0], r"nvjet")
+    assert times["concat_#x#"] == 8.0
+    assert "nvjet_a" not in times and times["adamw"] == 1.0
+
+
+def test_the_kernel_rows_put_the_largest_loss_against_a_tpth_of_tp1_first():
+    one = {"concat": 80.0, "norm": 40.0, "copy_only_at_tp1": 8.0}
+    two = {"concat": 60.0, "norm": 21.0, "barrier": 5.0}
+    rows = kernel_table(one, two, 2, top=3).splitlines()
+    assert rows[0] == "| kernel | 1/2 of tp=1 | tp=2 | over |"
+    assert rows[2:] == ["| `concat` | 40 | 60 | +20 |", "| `barrier` | 0 | 5 | +5 |", "| `norm` | 20 | 21 | +1 |"]
