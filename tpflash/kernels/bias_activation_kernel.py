@@ -79,8 +79,8 @@ def _bias_activation_kernel(Y, BIAS, DH, OUT, PARTIALS, rows, cols, stride_y, st
 # kernels"). The forward: 16 x 256 tiles, one per program, 85.9 and 23.6 us at 10240 and 2560
 # columns, against 97.4 and 29.0 for rows of 1,024 columns one at a time. The backward's rule is
 # also concat_sum_kernel's (3 x [2048, 4, 2560 | 1280 | 640] too): the fastest, or within 4% of it,
-# on five of the six shapes, 8% behind at [8192, 5120] (3% in another sweep). One-tile programs, 32 per SM, took 9-42% (backward) and 27-147% (concatenation)
-# longer, more as the widths shrank with tp.
+# on five of the six shapes, 8% behind at [8192, 5120] (3% in another sweep). One-tile programs,
+# 32 per SM, took 9-42% (backward) and 27-147% (concatenation) longer, more as the widths shrank.
 LAUNCH = {False: {"BLOCK_R": 16, "BLOCK_C": 256, "WARPS": 4, "PER_SM": 4096, "STAGES": 1},
           True: {"BLOCK_R": 32, "BLOCK_C": 64, "WARPS": 4, "PER_SM": 4, "STAGES": 3}}
 MAX_SPLITS = 65535  # the grid's second dimension

@@ -3,8 +3,8 @@
 A program rotates BLOCK_H heads at BLOCK_S positions of one batch row: it loads cos/sin of those
 positions once and the two halves of each pair as two [BLOCK_S, BLOCK_H, half] tiles. Several
 positions per program keep the programs large where the heads are few (k under GQA, a tp rank's
-share of the heads): one position per program left a k of one head to thousands of tiny programs. The backward is the same kernel
-rotating by the opposite angle (CONJ negates sin).
+share of the heads): one position per program left a k of one head to thousands of tiny programs.
+The backward is the same kernel rotating by the opposite angle (CONJ negates sin).
 """
 from __future__ import annotations
 
