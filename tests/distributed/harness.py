@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import signal
 import socket
 import tempfile
+import time
 import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -27,6 +29,7 @@ TIMEOUT_S = float(os.environ.get("TPFLASH_TEST_TIMEOUT", "180"))
 # more than this many threads since its first body is replaced at its next use (a few seconds to start
 # a fresh one).
 MAX_GATHERED_THREADS = 200
+GRACE_S = 10.0  # after a rank fails or its process dies: how long the others may still report
 
 
 def backend_for(world_size: int) -> str:
@@ -93,31 +96,49 @@ class RankPool:
         self._first_threads: Optional[int] = None  # the busiest worker's threads after the first body
 
     def run(self, fn: Callable, *args, timeout: float = TIMEOUT_S) -> List:
-        """Run fn(*args) on every rank; return the per-rank results, or raise with every rank's traceback."""
+        """Run fn(*args) on every rank; return the per-rank results, or raise with every rank's traceback
+        and, for a rank that never reported, whether its process died (and how) or still runs."""
         for q in self.tasks:
             q.put((fn, args))
         got: Dict[int, tuple] = {}
-        wait = timeout
-        while len(got) < self.world_size:
+        give_up = time.monotonic() + timeout
+        while len(got) < self.world_size and time.monotonic() < give_up:
             try:
-                rank, ok, value = self.results.get(timeout=wait)
+                rank, ok, value = self.results.get(timeout=1.0)
             except queue.Empty:
-                break
+                waiting = [p.is_alive() for r, p in enumerate(self.procs) if r not in got]
+                if not any(waiting):
+                    break  # every rank left to report has died
+                if not all(waiting):
+                    give_up = min(give_up, time.monotonic() + GRACE_S)  # its peers may wait on it forever
+                continue
             got[rank] = (ok, value)
             if not ok:
-                wait = 10.0  # peers may be stuck in a collective the failed rank never joined
+                give_up = min(give_up, time.monotonic() + GRACE_S)  # peers may be stuck in a collective it left
         failures = {r: v for r, (ok, v) in got.items() if not ok}
         missing = sorted(set(range(self.world_size)) - set(got))
         if failures or missing:
             self.broken = True
             lines = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
-            if missing:
-                lines.append(f"ranks {missing} did not finish within {timeout:.0f}s (hung or died)")
+            lines += [f"rank {r} did not finish: {self._fate(r)}" for r in missing]
             raise AssertionError(f"{fn.__name__} failed on {self.world_size} ranks ({self.backend}):\n"
                                  + "\n".join(lines))
         if self._first_threads is None:
             self._first_threads = self._worker_threads()
         return [got[r][1] for r in range(self.world_size)]
+
+    def _fate(self, rank: int) -> str:
+        """How rank's worker process stands: still running (hung, or slower than the timeout), or how it ended."""
+        code = self.procs[rank].exitcode
+        if code is None:
+            return "its process still runs (hung, or slower than the timeout)"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"its process was killed by {name}"
+        return f"its process exited with code {code}"
 
     def _worker_threads(self) -> int:
         """The most threads any worker has (0 where /proc cannot tell)."""
