@@ -157,11 +157,10 @@ class AttnGeometry:
         return triton.next_power_of_2(max(int(n), 16))
 
 
-def attention_forward(q, k, v, causal, scale, geo: AttnGeometry, out=None, lse=None):
-    """Launch the forward kernel: (out shaped like q, fp32 log-sum-exp per query row), written into
-    `out` (any strides, contiguous last dim) and `lse` ([batch, heads, seq], seq contiguous) where given."""
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
-    lse = geo.new_lse(q) if lse is None else lse
+def attention_forward(q, k, v, causal, scale, geo: AttnGeometry):
+    """Launch the forward kernel: (out shaped like q, fp32 log-sum-exp per query row)."""
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = geo.new_lse(q)
     grid = lambda meta: (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.batch * geo.heads_q)  # noqa: E731
     _attn_fwd_kernel[grid](q, k, v, out, lse, geo.cu, *geo.strides(q), *geo.strides(k), *geo.strides(v),
                            *geo.strides(out), *geo.lse_strides(lse), geo.heads_q, geo.groups, geo.seq_q, geo.seq_k,

@@ -54,31 +54,6 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: Optional[f
     return (out, lse.float()) if return_lse else out
 
 
-def attention_backward_reference(q, k, v, out, grad_out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) of batched attention_reference from its output and log-sum-exp, as a flash backward
-    computes them (the probabilities remade from the lse, D = rowsum(grad_out * out)): q/out/grad_out
-    [b, sq, hq, d], k/v [b, sk, hkv, d], lse [b, hq, sq]; results in q's, k's and v's dtypes."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    groups = q.shape[2] // k.shape[2]
-    qc, oc, gc = (t.to(compute) for t in (q, out, grad_out))
-    kc, vc = (t.to(compute).repeat_interleave(groups, dim=2) for t in (k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.exp(scores - lse.to(compute)[..., None]).nan_to_num(0.0)  # [b, hq, sq, sk]
-    dv = torch.einsum("bhqk,bqhd->bkhd", probs, gc)
-    dprobs = torch.einsum("bqhd,bkhd->bhqk", gc, vc)
-    rowsum = torch.einsum("bqhd,bqhd->bhq", gc, oc)[..., None]
-    dscores = probs * (dprobs - rowsum) * scale
-    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, kc)
-    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, qc)
-    b, sk, hkv, d = k.shape
-    dk, dv = (t.view(b, sk, hkv, groups, d).sum(3) for t in (dk, dv))  # the groups' q heads share a kv head
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
 def _norm_input(x, residual):
     """(fp32 input of the norm, new residual or None). The sum is normalised as stored, rounded to the
     residual's dtype: the norm of the new residual, which is what its backward and a recomputation see."""

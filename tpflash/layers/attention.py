@@ -18,9 +18,7 @@ import torch
 import torch.nn as nn
 
 from .. import kernels
-from ..kernels.attention_chunks import chunked_attention_backend
 from ..parallel import comm
-from ..parallel.attention_projection import attention_reduce_scatter
 from ..parallel.context_attention import CP_COMMS, context_parallel_attention
 from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_cp_group, resolve_tp_group, sublayer_group
@@ -212,12 +210,6 @@ class ParallelAttention(nn.Module):
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
             if self.rotary is not None:
                 q, k = self.rotary(q, k)
-            chunked = self._chunked_attention_backend(q)
-            if chunked is not None:  # each rank's rows of the output projection sent as soon as they exist
-                return attention_reduce_scatter(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                self.softmax_scale, self.o_proj.weight, self.o_proj.process_group,
-                                                chunked, self.o_proj.bias_summed_over_tp(), self.o_proj.held_work,
-                                                self.o_proj.output_parts)
             out = kernels.flash_attention(q, k, v, causal=True, softmax_scale=self.softmax_scale)  # [b, seq, h, hd]
             out = out.transpose(0, 1)
         else:
@@ -227,14 +219,6 @@ class ParallelAttention(nn.Module):
         # H100 for packed batches, whose varlen output is batch-major: docs/performance.md, "Fine-tuning")
         out = out.reshape(seq, batch, self.local_heads * self.head_dim).contiguous()
         return self.o_proj(out)  # [seq(/tp), b, hidden]
-
-    def _chunked_attention_backend(self, q: torch.Tensor) -> Optional[str]:
-        """Where o_proj takes the overlapped reduce-scatter (decided at build or capture time:
-        tpflash.parallel.overlap), the backend that computes the attention by query chunks feeding it
-        (tpflash.parallel.attention_projection) for q [b, seq, heads, hd]; else None."""
-        if not self.o_proj.overlaps():
-            return None
-        return chunked_attention_backend(q.transpose(0, 1))
 
     def _rotate(self, q, k, position_ids, rotary_len):
         """q/k [seq, b, heads, hd] rotated at position_ids [b, seq] (rotary tables for `rotary_len`)."""

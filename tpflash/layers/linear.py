@@ -273,8 +273,8 @@ class RowParallelLinear(nn.Module):
             x = comm.split_along_dim(x, -1, self.process_group)
         elif self.local_padding:
             x = _zero_padding(x, self.local_real)  # e.g. act(0) != 0 from a padded column layer
-        if self.overlaps():  # each peer's rows computed and sent while the next are computed
-            return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self.bias_summed_over_tp(),
+        if self.fp8 == "off" and _pipelined(self):  # each peer's rows computed and sent while the next are computed
+            return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp(),
                                                   self.held_work, self.output_parts)
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue
             return linear(x, self.weight, self.bias, self.fp8, amaxes)
@@ -293,17 +293,13 @@ class RowParallelLinear(nn.Module):
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         """y + bias for the reduced output y, in y's dtype (an fp32 bias does not promote a bf16 output
         under autocast); under SP the bias gradient is summed over tp."""
-        return add_bias(y, self.bias_summed_over_tp())
+        return add_bias(y, self._bias_summed_over_tp())
 
     def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
         """The parameters whose gradient each tp rank holds only a part of: under SP, the bias."""
         return [self.bias] if self.bias is not None and self.sequence_parallel else []
 
-    def overlaps(self) -> bool:
-        """Whether forward takes the overlapped reduce-scatter now (tpflash.parallel.overlap; not under fp8)."""
-        return self.fp8 == "off" and _pipelined(self)
-
-    def bias_summed_over_tp(self) -> Optional[torch.Tensor]:
+    def _bias_summed_over_tp(self) -> Optional[torch.Tensor]:
         """The bias, its gradient summed over tp under SP (each rank's tokens give a part of it)."""
         if self.bias is not None and self.sequence_parallel:
             return comm.copy_to_tp_region(self.bias, self.process_group)

@@ -31,7 +31,7 @@ what the CPU tests run). Process group: the tp group passed in.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -235,15 +235,13 @@ def _weight_grad_with_gathered(gather, other: torch.Tensor, gathered_is_grad: bo
 
 
 def _multiply_scatter(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None,
-                      held: Optional[HeldWork] = None, parts: bool = False,
-                      produce: Optional[Callable[[int], object]] = None) -> List[torch.Tensor]:
+                      held: Optional[HeldWork] = None, parts: bool = False) -> List[torch.Tensor]:
     """reduce_scatter(a @ w) + bias: a [world*m, k], w [k, n], bias [n] -> this rank's rows [m, n], as
     one summed tensor, or with `parts` as the parts of that sum where the transfers can leave them
     unsummed (PeerReduceScatter.finish_parts); the rows due to each peer are sent while the next rows
-    are multiplied, and the work `held` for this layer runs while the last of them travel. produce(r),
-    where given, is called before rank r's rows of `a` are read, and writes them (the attention by
-    query chunks: tpflash.parallel.attention_projection). See `_send_parts` for the split form."""
-    pending, own = _send_parts(a, w, group, bias, produce)
+    are multiplied, and the work `held` for this layer runs while the last of them travel. See
+    `_send_parts` for the split form."""
+    pending, own = _send_parts(a, w, group, bias)
     if held is not None:
         held.run()
     return pending.finish_parts(own) if parts else [pending.finish(own)]
@@ -257,32 +255,25 @@ SEND_CHUNKS = 2  # GEMMs for the first peer's rows where the GEMM is shorter tha
 CHUNK_BELOW_INNER = 2048
 
 
-def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None,
-                produce: Optional[Callable[[int], object]] = None):
+def _send_parts(a: torch.Tensor, w: torch.Tensor, group, bias: Optional[torch.Tensor] = None):
     """(pending reduce-scatter, this rank's own part): every peer's rows of a @ w computed and sent
     (`_send_peer_parts`), then the own rows' GEMM, which adds the bias (once per token: only the
-    rank that keeps a token's sum adds it). produce: as `_multiply_scatter`'s."""
-    pending, own = _send_peer_parts(a, w, group, produce)
-    if produce is not None:
-        produce(dist.get_rank(group))
+    rank that keeps a token's sum adds it)."""
+    pending, own = _send_peer_parts(a, w, group)
     return pending, own @ w if bias is None else torch.addmm(bias, own, w)
 
 
-def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group, produce: Optional[Callable[[int], object]] = None):
+def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group):
     """(pending reduce-scatter of a @ w, this rank's rows of a): every peer's rows multiplied and sent,
     one GEMM each (fewer, larger GEMMs; the transfers queue behind each other on the side stream
     anyway, the copy engines' bandwidth being shared by all peers), the first peer's in SEND_CHUNKS
     GEMMs where the inner dimension is under CHUNK_BELOW_INNER (e.g. the attention's output
-    projection): there the GEMM is short next to its transfer, which then starts early. Where rows
-    are produced rank by rank (`produce`, called before a peer's rows are read), the transfers start
-    after the first peer's rows anyway, and each peer's rows go in one GEMM."""
+    projection): there the GEMM is short next to its transfer, which then starts early."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     m = a.shape[0] // world
     pending = _reduce_scatter(group, (m, w.shape[1]), a)
-    first_chunks = SEND_CHUNKS if a.shape[1] < CHUNK_BELOW_INNER and produce is None else 1
+    first_chunks = SEND_CHUNKS if a.shape[1] < CHUNK_BELOW_INNER else 1
     for i, r in enumerate(_peers_first(rank, world)):
-        if produce is not None:
-            produce(r)
         for rows in _chunks(m, first_chunks if i == 0 else 1):
             pending.send(r, a[r * m + rows.start:r * m + rows.stop] @ w, rows.start)
     return pending, a[rank * m:(rank + 1) * m]
@@ -380,22 +371,12 @@ class _RowLinearOverPeers(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, *_received):
         h, w = ctx.saved_tensors
-        grad_h, grad_w, grad_b = row_linear_backward(ctx, grad_y, h, w, ctx.needs_input_grad[2])
+        with _no_autocast(h):
+            grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
+            gather = _all_gather(grad_rows, ctx.group, keep=False, whole=True)
+            grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
+            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held, ctx.main_grad)  # [out, in/tp]
+            grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
+            gather.finish()
+        grad_w = None if ctx.main_grad is not None else grad_w.to(ctx.dtypes[1])  # main_grad: added there
         return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w, grad_b, None, None, None
-
-
-def row_linear_backward(ctx, grad_y: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
-                        bias_grad: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The overlapped row layer's backward: (grad_h [s*b, in/tp] in h's dtype, grad_W in the weight's dtype,
-    or None where it was added into main_grad, grad_b or None) for grad_y [s/tp, b, out] and the saved
-    h [s, b, in/tp] and w [out, in/tp]. ctx carries group, held, main_grad and dtypes (h's, the
-    weight's, the bias's), as `_RowLinearOverPeers.forward` sets them."""
-    with _no_autocast(h):
-        grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
-        gather = _all_gather(grad_rows, ctx.group, keep=False, whole=True)
-        grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
-        grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held, ctx.main_grad)  # [out, in/tp]
-        grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if bias_grad else None
-        gather.finish()
-    grad_w = None if ctx.main_grad is not None else grad_w.to(ctx.dtypes[1])  # main_grad: added there
-    return grad_h, grad_w, grad_b
