@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed.checks import assert_close, init_tp, work_dtype
 from tpflash.layers import ColumnParallelLinear, RowParallelLinear
@@ -361,6 +362,48 @@ def block_parts_body(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_blocks_handing_the_reduce_scatters_parts_to_the_next_norm_match_blocks_handing_sums(ranks, tp):
     ranks(tp).run(block_parts_body, tp)
+
+
+class _ZeroFills(TorchDispatchMode):
+    """Records the shapes of the zero-filled tensors made while it is on (autograd fills one for each
+    output of a Function whose gradient never came, unless the Function opts out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default, torch.ops.aten.zero_.default):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def parts_backward_body(tp):
+    """The row layer's parts other than this rank's own carry no gradient, and its backward has none
+    made for them: no [s/tp, b, out] zeros per part (a memset each on a GPU, every block and step)."""
+    ps = init_tp(tp)
+    dtype = work_dtype(ps.device)
+    layer = RowParallelLinear(IN, OUT, bias=True, sequence_parallel=True, device=ps.device, dtype=dtype)
+    h = _randn(ps, dtype, SEQ, BATCH, IN // tp, seed=ps.tp_rank).requires_grad_()
+    reach, real = overlap_gemms.copy_engines_reach, overlap_gemms._GroupReduceScatter.finish_parts
+    overlap_gemms.copy_engines_reach = lambda x, group: False
+    overlap_gemms._GroupReduceScatter.finish_parts = _finish_as_parts
+    try:
+        parts = overlap.linear_reduce_scatter(h, layer.weight, ps.tp_group, layer.bias, parts=True)
+    finally:
+        overlap_gemms.copy_engines_reach, overlap_gemms._GroupReduceScatter.finish_parts = reach, real
+    assert len(parts) == 2 and not parts[1].requires_grad, "the stand-in should hand this rank's part and one more"
+    fills = _ZeroFills()
+    with fills:
+        (parts[0].float().square().sum() + parts[1].float().sum()).backward()
+    assert h.grad is not None and layer.weight.grad is not None
+    assert tuple(parts[1].shape) not in fills.shapes, f"zeros made in the backward: {fills.shapes}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_row_layers_backward_makes_no_zeros_for_the_parts_it_handed_on(ranks, tp):
+    ranks(tp).run(parts_backward_body, tp)
 
 
 def all_bodies(tp):

@@ -366,10 +366,14 @@ class _RowLinearOverPeers(torch.autograd.Function):
         shape = (h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],)
         ys = tuple(y.view(shape) for y in ys)
         ctx.mark_non_differentiable(*ys[1:])  # other ranks' parts: their gradients are theirs to compute
+        # and autograd is not to fill zeros for them: a [s/tp, b, out] memset per part and step
+        ctx.set_materialize_grads(False)
         return ys
 
     @staticmethod
     def backward(ctx, grad_y, *_received):
+        if grad_y is None:  # nothing reached this rank's own part
+            return None, None, None, None, None, None
         h, w = ctx.saved_tensors
         with _no_autocast(h):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
