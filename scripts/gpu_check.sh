@@ -60,7 +60,7 @@ tests() {
   echo "== distributed tests over NCCL on $GPUS GPU(s) =="
   timeout 300 $PYTEST tests/distributed/test_linear.py tests/distributed/test_mlp.py tests/distributed/test_comm.py \
     tests/distributed/test_overlap.py tests/distributed/test_peer_collectives.py tests/distributed/test_block.py \
-    tests/distributed/test_gpt.py tests/distributed/test_graphed_blocks.py 2>&1 | tee "$OUT/nccl.log" | tail -15
+    tests/distributed/test_gpt.py tests/distributed/test_graphed_blocks.py tests/distributed/test_embedding.py 2>&1 | tee "$OUT/nccl.log" | tail -15
 }
 
 bench() {

@@ -104,3 +104,61 @@ def test_vocab_parallel_embedding_without_group_is_nn_embedding():
     emb = VocabParallelEmbedding(7, DIM, padding_idx=2)
     ids = torch.tensor([[0, 2, 6]])
     assert torch.equal(emb(ids), ref(ids))
+
+
+def peer_exchange_body(tp):
+    """On GPUs that map each other's memory the sequence-parallel embedding goes through peers' memory
+    (tpflash.parallel.peer_embedding) and gives the group path's bits, forward and backward, call after
+    call (the workspace's two buffers take turns); padding_idx and a vocabulary padded for tp included."""
+    import os
+    from tpflash.parallel import peer_collectives, peer_embedding
+    ps = init_tp(tp)
+    assert ps.device.type == "cuda", "needs one GPU per rank"
+    vocab, dim, seq, batch = 50_003, 640, 256, 3
+    torch.manual_seed(0)
+    emb = VocabParallelEmbedding(vocab, dim, padding_idx=11, sequence_parallel=True, device=ps.device)
+    assert peer_embedding.reaches(emb.weight, emb.process_group)
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (seq, batch), device=ps.device)
+    ids[0, 0] = 11
+    grads = [torch.randn(seq // tp, batch, dim, device=ps.device) for _ in range(3)]
+
+    def run(grad):
+        emb.weight.grad = None
+        out = emb(ids)
+        out.backward(grad)
+        return out.detach(), emb.weight.grad
+
+    calls, lookup = [], peer_embedding.vocab_lookup
+    peer_embedding.vocab_lookup = lambda *args: calls.append(1) or lookup(*args)
+    try:
+        peer = [run(g) for g in grads]
+    finally:
+        peer_embedding.vocab_lookup = lookup
+    assert len(calls) == len(grads), "the layer did not go through peers' memory"
+    os.environ["TPFLASH_COMM_BACKEND"] = "nccl"
+    peer_collectives.comm_backend.cache_clear()
+    try:
+        group = [run(g) for g in grads]
+    finally:
+        del os.environ["TPFLASH_COMM_BACKEND"]
+        peer_collectives.comm_backend.cache_clear()
+    for (out, grad), (out_ref, grad_ref) in zip(peer, group):
+        assert torch.equal(out, out_ref), "output differs from the group path's"
+        assert torch.equal(grad, grad_ref), "table gradient differs from the group path's"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_sequence_parallel_embedding_through_peers_memory_gives_the_group_paths_bits(ranks, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ranks(tp).run(peer_exchange_body, tp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_sequence_parallel_embedding_through_peers_memory_matches_nn_embedding(ranks, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ranks(tp).run(embedding_body, tp, 11, 3, True)
