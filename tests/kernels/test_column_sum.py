@@ -69,3 +69,25 @@ def test_column_sum_repeats_its_bits_on_gpu():
     # tp ranks that sum the same replicated gradient must get the same bits
     x = torch.randn(8192, 2048, device=DEVICE).to(torch.bfloat16)
     assert torch.equal(_triton_sum(x), _triton_sum(x))
+
+
+def _partials_check(splits, cols, device="cpu"):
+    from tpflash.kernels.column_sum_kernel import sum_partials
+    torch.manual_seed(1)
+    partials = torch.randn(splits, cols, device=device)
+    out = sum_partials(partials)
+    assert out.dtype == torch.float32 and out.shape == (cols,)
+    assert_rel(out, partials.double().sum(0), torch.float32, f"partials [{splits}, {cols}]")
+    assert torch.equal(out, sum_partials(partials)), "the partials' sum changed bits between calls"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("splits,cols", [(1, 5), (7, 130), (300, 33)])
+def test_the_partial_sums_are_added_up_in_one_launch(splits, cols):
+    _partials_check(splits, cols)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,cols", [(7, 2560), (132, 5120), (528, 1920)])
+def test_the_partial_sums_are_added_up_in_one_launch_on_gpu(splits, cols):
+    _partials_check(splits, cols, device="cuda")

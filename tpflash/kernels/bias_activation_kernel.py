@@ -3,8 +3,8 @@
 One kernel, one flag (BACKWARD). Forward: h = act(y + bias), computed in fp32, stored in y's dtype.
 Backward: dy = dh * act'(y + bias), stored in dh's dtype, and the fp32 column sums of the stored dy
 (the bias gradient) kept in registers: the column sum costs no extra read of dy. The grid and the
-deterministic partial sums are column_sum_kernel's (a [splits, cols] fp32 buffer summed by torch,
-no atomics); the launch is a fixed rule (LAUNCH), so tp ranks summing the same rows get the same bits.
+deterministic partial sums are column_sum_kernel's (a [splits, cols] fp32 buffer summed by its
+`sum_partials`, no atomics); the launch is a fixed rule (LAUNCH), so tp ranks summing the same rows get the same bits.
 ACT: 0 GELU with the tanh approximation (GPT-2's "gelu"), 1 exact (erf) GELU, 2 ReLU.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .column_sum_kernel import INTERPRET_SMS, _row_split, _sm_count
+from .column_sum_kernel import INTERPRET_SMS, _row_split, _sm_count, sum_partials
 
 ACTIVATION_IDS = {"gelu": 0, "gelu_exact": 1, "relu": 2}
 
@@ -112,4 +112,4 @@ def triton_bias_activation(y: torch.Tensor, bias: torch.Tensor, activation: str,
         y, bias, dh, out, partials, rows, cols, y.stride(0), dh.stride(0) if backward else 0, rows_per_split,
         ACT=ACTIVATION_IDS[activation], BACKWARD=backward, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"],
         STAGES=cfg["STAGES"], num_warps=cfg["WARPS"])
-    return (out, partials.sum(0)) if backward else out
+    return (out, sum_partials(partials)) if backward else out

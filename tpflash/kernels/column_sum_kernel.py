@@ -3,7 +3,8 @@
 A 2-D grid: column blocks of BLOCK_C columns x row splits. A program adds up its split's rows of
 its column block, [BLOCK_R, BLOCK_C] tiles at a time, in an fp32 [BLOCK_R, BLOCK_C] accumulator
 that it reduces over rows once at the end; it writes one row of an fp32 [splits, cols] partials
-buffer, and a torch sum over splits (tens of KB) finishes. The launch is a fixed rule of the
+buffer, and the same kernel with one split sums those (`sum_partials`, which the other kernels'
+partial sums end with too). The launch is a fixed rule of the
 shape and the SM count, so the same shapes on the same GPU model give the same bits every run.
 """
 from __future__ import annotations
@@ -66,4 +67,16 @@ def triton_column_sum(x: torch.Tensor) -> torch.Tensor:
     partials = torch.empty(splits, cols, device=x.device, dtype=torch.float32)
     _column_sum_kernel[(column_blocks, splits)](x, partials, rows, cols, x.stride(0), rows_per_split,
                                                 BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
-    return partials.sum(0)
+    return sum_partials(partials)
+
+
+def sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """fp32 [cols]: the sum over the rows of a contiguous fp32 [splits, cols] buffer of partial sums, in
+    one launch of the kernel above with a single split (a program per BLOCK_C columns). torch's sum
+    over a few to a few hundred rows ran 4-6 us a call, latency-bound on a grid of a block per 64-128
+    columns, and a gpt-2.7b step at tp=4 makes about 190 of them (docs/performance.md, "TP efficiency")."""
+    splits, cols = partials.shape
+    out = torch.empty(1, cols, device=partials.device, dtype=torch.float32)
+    _column_sum_kernel[(triton.cdiv(cols, BLOCK_C), 1)](partials, out, splits, cols, cols, splits,
+                                                        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
+    return out[0]

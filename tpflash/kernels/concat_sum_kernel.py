@@ -7,7 +7,8 @@ over it. Here each program copies a [rows of its split, BLOCK_C columns] block o
 output and keeps the column sums in registers: one read and one write instead of two reads and a
 write. A part is read through (outer, inner) row strides, so the attention's gradients, [s, b, c]
 views of [b, s, c] memory, need no copy first. The grid and the deterministic partial sums are
-bias_activation_kernel's ([splits, cols] fp32, summed by torch, no atomics; a fixed launch rule).
+bias_activation_kernel's ([splits, cols] fp32, summed by column_sum_kernel.sum_partials, no atomics; a
+fixed launch rule).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .bias_activation_kernel import LAUNCH, _grid_rows
-from .column_sum_kernel import INTERPRET_SMS, _sm_count
+from .column_sum_kernel import INTERPRET_SMS, _sm_count, sum_partials
 
 INTERPRET_LAUNCH = {"BLOCK_R": 16, "BLOCK_C": 32, "WARPS": 4, "PER_SM": 4, "STAGES": 1}
 
@@ -88,4 +89,4 @@ def triton_concat_with_column_sum(parts: Sequence[torch.Tensor], launch=None) ->
     _concat_sum_kernel[(column_blocks, splits)](
         *padded, out, partials, rows, inner, *cols, *strides, total, rows_per_split,
         BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_C"], STAGES=cfg["STAGES"], num_warps=cfg["WARPS"])
-    return out, partials.sum(0)
+    return out, sum_partials(partials)

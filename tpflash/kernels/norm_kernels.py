@@ -8,8 +8,8 @@ tpflash.kernels.sum_parts) before the residual is added: the sum is never writte
 Only the first part is differentiable. Forward: one program per
 row. Backward: one program per SM, each walking its own rows in tiles of ROWS rows (loads of
 several rows in flight, the next tile prefetched when STAGES > 1); programs keep their
-dweight/dbias partial sums in fp32 registers, and a final torch sum over programs reduces them
-(no atomics, deterministic). With a residual of another dtype than x (bf16 branch output, fp32
+dweight/dbias partial sums in fp32 registers, and column_sum_kernel.sum_partials sums them over
+programs in one launch (no atomics, deterministic). With a residual of another dtype than x (bf16 branch output, fp32
 residual stream), it writes x's gradient in x's dtype beside the residual's, in the same pass.
 The launch is a fixed rule of the shapes and dtypes, not an autotuner: on the H100, different
 (ROWS, STAGES) gave gradients that differ in the last bits, and tp ranks that normalise the same
@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .column_sum_kernel import sum_partials
 from .dispatch import interpreting
 
 
@@ -72,7 +73,8 @@ INTERPRET_BWD = {"ROWS": 2, "STAGES": 2, "WARPS": 1, "PER_SM": None}  # CPU inte
 
 
 @triton.jit
-def _norm_bwd_kernel(H, W, DY, DRES, DX, DX_LOW, DW, DB, MEAN, RSTD, rows, n, rows_per_program, BLOCK: tl.constexpr,
+def _norm_bwd_kernel(H, W, DY, DRES, DX, DX_LOW, DW, DB, MEAN, RSTD, rows, n, rows_per_program, partial_stride,
+                     BLOCK: tl.constexpr,
                      ROWS: tl.constexpr, STAGES: tl.constexpr, RMS: tl.constexpr, HAS_DRES: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_DX_LOW: tl.constexpr):
     pid = tl.program_id(0)
@@ -116,9 +118,9 @@ def _norm_bwd_kernel(H, W, DY, DRES, DX, DX_LOW, DW, DB, MEAN, RSTD, rows, n, ro
         tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DX_LOW:  # x's gradient in x's dtype from the same registers: no separate cast pass over dx
             tl.store(DX_LOW + at, dx.to(DX_LOW.dtype.element_ty), mask=mask)
-    tl.store(DW + pid * n + cols, dw, mask=in_cols)
+    tl.store(DW + pid * partial_stride + cols, dw, mask=in_cols)
     if HAS_BIAS:
-        tl.store(DB + pid * n + cols, db, mask=in_cols)
+        tl.store(DB + pid * partial_stride + cols, db, mask=in_cols)
 
 
 def _warps(block: int) -> int:
@@ -171,15 +173,17 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, l
     dx_low = torch.empty(rows, n, device=h.device, dtype=low_dtype) if low_dtype is not None else None
     per_program = max(1, triton.cdiv(rows, groups))
     programs = max(1, triton.cdiv(rows, per_program))
-    # dweight's and dbias's partial sums in one buffer: one torch sum over programs finishes both
-    partials = torch.empty(1 if bias is None else 2, programs, n, device=h.device, dtype=torch.float32)
-    dw, db = partials[0], (None if bias is None else partials[1])
-    args = (h, weight, dy, dres, dx, dx_low, dw, db, mean, rstd, rows, n, per_program)
+    # dweight's and dbias's partial sums side by side in one [programs, 1 or 2, n] buffer: one sum over
+    # programs finishes both
+    sums_per_row = 1 if bias is None else 2
+    partials = torch.empty(programs, sums_per_row, n, device=h.device, dtype=torch.float32)
+    dw, db = partials[:, 0], (None if bias is None else partials[:, 1])
+    args = (h, weight, dy, dres, dx, dx_low, dw, db, mean, rstd, rows, n, per_program, sums_per_row * n)
     flags = dict(BLOCK=block, RMS=rms, HAS_DRES=dres is not None, HAS_BIAS=bias is not None,
                  HAS_DX_LOW=dx_low is not None)
     _norm_bwd_kernel[(programs,)](*args, **flags, ROWS=launch["ROWS"], STAGES=launch["STAGES"],
                                   num_warps=launch["WARPS"])
-    sums = partials.sum(1)  # [1 or 2, n]
+    sums = sum_partials(partials.view(programs, sums_per_row * n)).view(sums_per_row, n)
     dbias = sums[1].to(bias.dtype) if bias is not None else None
     return dx, sums[0].to(weight.dtype), dbias, dx_low
 
