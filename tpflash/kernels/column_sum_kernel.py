@@ -4,8 +4,8 @@ A 2-D grid: column blocks of BLOCK_C columns x row splits. A program adds up its
 its column block, [BLOCK_R, BLOCK_C] tiles at a time, in an fp32 [BLOCK_R, BLOCK_C] accumulator
 that it reduces over rows once at the end; it writes one row of an fp32 [splits, cols] partials
 buffer, and the same kernel with one split sums those (`sum_partials`, which the other kernels'
-partial sums end with too). The launch is a fixed rule of the
-shape and the SM count, so the same shapes on the same GPU model give the same bits every run.
+partial sums end with too). The launch is a fixed rule of the shape and the SM count, so the same
+shapes on the same GPU model give the same bits every run.
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ Only the first part is differentiable. Forward: one program per
 row. Backward: one program per SM, each walking its own rows in tiles of ROWS rows (loads of
 several rows in flight, the next tile prefetched when STAGES > 1); programs keep their
 dweight/dbias partial sums in fp32 registers, and column_sum_kernel.sum_partials sums them over
-programs in one launch (no atomics, deterministic). With a residual of another dtype than x (bf16 branch output, fp32
-residual stream), it writes x's gradient in x's dtype beside the residual's, in the same pass.
+programs in one launch (no atomics, deterministic). With a residual of another dtype than x (bf16
+branch output, fp32 residual stream), it writes x's gradient in x's dtype beside the residual's, in
+the same pass.
 The launch is a fixed rule of the shapes and dtypes, not an autotuner: on the H100, different
 (ROWS, STAGES) gave gradients that differ in the last bits, and tp ranks that normalise the same
 replicated activations must compute the same bits (an autotuner's timing-based pick could differ
@@ -74,9 +75,8 @@ INTERPRET_BWD = {"ROWS": 2, "STAGES": 2, "WARPS": 1, "PER_SM": None}  # CPU inte
 
 @triton.jit
 def _norm_bwd_kernel(H, W, DY, DRES, DX, DX_LOW, DW, DB, MEAN, RSTD, rows, n, rows_per_program, partial_stride,
-                     BLOCK: tl.constexpr,
-                     ROWS: tl.constexpr, STAGES: tl.constexpr, RMS: tl.constexpr, HAS_DRES: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_DX_LOW: tl.constexpr):
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, RMS: tl.constexpr,
+                     HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DX_LOW: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     in_cols = cols < n
