@@ -198,7 +198,8 @@ def _dp_name(impl: str, dp_mode: str) -> str:
 
 def run_config(model_name: str, impl: str, args, ps) -> dict:
     shape = MODELS[model_name]
-    args = argparse.Namespace(**{**vars(args), "vocab": args.vocab or shape.get("vocab", 50304)})
+    args = argparse.Namespace(**{**vars(args), "vocab": args.vocab or shape.get("vocab", 50304),
+                                 "trace_label": f"{model_name}_{impl}"})  # --trace-dir's file per configuration
     row = dict(model=model_name, impl=impl, tp=ps.tp_size, dp=ps.dp_size, device=device_name(ps.device))
     if ps.dp_size > 1:
         row["note"] = "dp: " + _dp_name(impl, args.dp_mode)
@@ -380,7 +381,8 @@ def parse_args(argv=None):
                    "that take the most GPU time")
     p.add_argument("--profile-ops", type=int, default=0, metavar="N", help="with --profile: list the N ops whose "
                    "kernels take the most GPU time, with their input shapes (eager impls)")
-    p.add_argument("--trace-dir", default="", help="with --profile: write each rank's chrome trace here")
+    p.add_argument("--trace-dir", default="", help="with --profile: write each rank's chrome trace here "
+                   "(trace_MODEL_IMPL_tpN_rankR.json)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="after timing, run one step under cProfile on rank 0 and print its N costliest "
                         "Python functions (host time: where a host-bound step goes)")

@@ -106,7 +106,8 @@ def _trace_path(args, ps) -> str:
     if not args.trace_dir:
         return ""
     os.makedirs(args.trace_dir, exist_ok=True)
-    return os.path.join(args.trace_dir, f"trace_tp{ps.tp_size}_rank{ps.rank}.json")
+    label = getattr(args, "trace_label", "")  # model and impl: configurations of one launch do not overwrite each other
+    return os.path.join(args.trace_dir, f"trace_{label + '_' if label else ''}tp{ps.tp_size}_rank{ps.rank}.json")
 
 
 def python_profile(run_step, ps, top: int) -> None:

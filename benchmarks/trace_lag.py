@@ -7,7 +7,7 @@ host-bound step has the GPU waiting for each launch, so lags are short and the G
 kernels. The script prints the lag distribution, the GPU's idle time, and which host ops were
 issuing the kernels that ended the longest idle gaps.
 
-    python3 benchmarks/trace_lag.py trace_tp2_rank0.json [--steps 2]
+    python3 benchmarks/trace_lag.py trace_gpt-1.3b_tpflash-graphs_tp2_rank0.json [--steps 2]
 """
 from __future__ import annotations
 

@@ -77,3 +77,15 @@ def test_telemetry_without_nvidia_smi_gives_an_empty_summary(monkeypatch):
     with e2e_telemetry.GpuTelemetry(0) as tel:
         pass
     assert tel.summary() == {}
+
+
+def test_each_configuration_of_a_launch_writes_its_own_trace(tmp_path):
+    from types import SimpleNamespace
+
+    from e2e_timing import _trace_path
+    ps = SimpleNamespace(tp_size=4, rank=0)
+    paths = {_trace_path(SimpleNamespace(trace_dir=str(tmp_path), trace_label=f"{model}_tpflash-graphs"), ps)
+             for model in ("gpt-2.7b", "llama-1b")}
+    assert paths == {str(tmp_path / "trace_gpt-2.7b_tpflash-graphs_tp4_rank0.json"),
+                     str(tmp_path / "trace_llama-1b_tpflash-graphs_tp4_rank0.json")}
+    assert _trace_path(SimpleNamespace(trace_dir="", trace_label="x"), ps) == ""
