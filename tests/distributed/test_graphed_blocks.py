@@ -84,12 +84,14 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         peer_collectives.PeerReduceScatter.finish_parts = real_parts
     if device.type == "cuda" and tp > 1 and sequence_parallel and graphed._graphed_blocks.overlapped:
         # inside the capture the row layers' parts go to the next norm unsummed (where no block
-        # recomputes its forward), and only there
+        # recomputes its forward), and only there; so do the q/k/v and up projections' input
+        # gradients' parts, to the norms before them (take_input_grad_parts, on the same condition here)
         handing = all(b.norm_sums_parts for b in graphed.blocks)
-        assert (max(parted, default=0) == tp) == handing, f"the captured reduce-scatters handed {parted} parts"
-        assert parted.count(tp) <= 2 * len(graphed.blocks) - 1, f"parts handed outside the capture: {parted}"
-        # and the norms write their outputs where the q/k/v and up projections keep their gathered inputs
         in_place = all(b.norms_write_in_place for b in graphed.blocks)
+        layers = len(graphed.blocks)
+        unsummed = (2 * layers - 1 if handing else 0) + (2 * layers if in_place and tp <= 4 else 0)
+        assert parted.count(tp) == unsummed, f"the captured reduce-scatters handed {parted} parts, not {unsummed} x {tp}"
+        # and the norms write their outputs where the q/k/v and up projections keep their gathered inputs
         assert kept and all(kept) == in_place, f"the kept gathers found this rank's rows in place: {kept}"
     if device.type == "cuda" and tp > 1 and sequence_parallel and comm_backend != "nccl":
         # captured collectives, serial or overlapped, go through the copy engines on GPUs with peer

@@ -364,6 +364,74 @@ def test_blocks_handing_the_reduce_scatters_parts_to_the_next_norm_match_blocks_
     ranks(tp).run(block_parts_body, tp)
 
 
+def _finish_as_world_parts(self, own):
+    """A stand-in for the copy engines' unsummed parts on the group's reduce-scatter, one per rank:
+    [own, d/2, d/4, d/4] (at tp=4) for d = sum - own."""
+    rest = self.finish(own) - own
+    world = dist.get_world_size(self.group)
+    shares = [0.5 ** min(i + 1, world - 2) for i in range(world - 1)]  # sum to 1
+    return [own, *(rest * share for share in shares)]
+
+
+def block_grad_parts_body(tp):
+    """Blocks whose q/k/v and up projections hand their input gradient's reduce-scatter parts to the
+    norms before them (take_input_grad_parts), which add them in their backward, compute what blocks
+    handing over the sums compute, forward and backward; every such projection handed tp parts.
+    The group's own collectives stand in for the copy engines, whose parts come unsummed only inside
+    graph captures (test_graphed_blocks' train_body checks those on GPUs). No q/k/v biases: the k
+    bias's gradient is zero but for rounding (softmax ignores a shift shared by every key), which
+    adding the parts in another order changes."""
+    from tpflash.layers import ParallelTransformerBlock
+    ps = init_tp(tp)
+    dtype = work_dtype(ps.device)
+    torch.manual_seed(0)
+    blocks = [ParallelTransformerBlock(IN, 4, 2, mlp=mlp, norm=norm, qkv_bias=False, sequence_parallel=True,
+                                       device=ps.device, dtype=dtype)
+              for mlp, norm in (("swiglu", "rmsnorm"), ("gelu", "layernorm"))]
+    for block in blocks:
+        overlap.set_overlap(block, True)
+    x_local = _randn(ps, dtype, SEQ, BATCH, IN)[_rows(ps, tp)]
+    grad_y = _randn(ps, dtype, SEQ // tp, BATCH, IN, seed=ps.tp_rank)
+    handed = []
+
+    def run():
+        x = x_local.clone().requires_grad_()
+        out, residual = blocks[0](x)
+        out, residual = blocks[1](out, residual)
+        handed.clear()  # the output projections' forward parts: only the backward's count below
+        (out + residual).backward(grad_y)
+        grads = {f"{i}.{n}": p.grad.clone() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
+        for block in blocks:
+            block.zero_grad()
+        return (out + residual).detach(), x.grad, grads
+
+    def spy(self, own):
+        parts = _finish_as_world_parts(self, own)
+        handed.append(len(parts))
+        return parts
+
+    reach, real = overlap_gemms.copy_engines_reach, overlap_gemms._GroupReduceScatter.finish_parts
+    overlap_gemms.copy_engines_reach = lambda x, group: False
+    try:
+        summed = run()
+        overlap_gemms._GroupReduceScatter.finish_parts = spy
+        for block in blocks:
+            block.take_input_grad_parts(True)
+        parted = run()
+    finally:
+        overlap_gemms.copy_engines_reach = reach
+        overlap_gemms._GroupReduceScatter.finish_parts = real
+        for block in blocks:
+            block.take_input_grad_parts(False)
+    assert handed == [tp] * 4, f"each block's q/k/v and up projections should hand {tp} parts: {handed}"
+    _same(parted, summed, f"blocks handing input gradient parts, tp={tp}")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_blocks_whose_projections_hand_input_gradient_parts_to_the_norms_match_blocks_handing_sums(ranks, tp):
+    ranks(tp).run(block_grad_parts_body, tp)
+
+
 class _ZeroFills(TorchDispatchMode):
     """Records the shapes of the zero-filled tensors made while it is on (autograd fills one for each
     output of a Function whose gradient never came, unless the Function opts out)."""

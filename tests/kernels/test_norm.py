@@ -289,3 +289,61 @@ def test_norm_refuses_an_out_of_another_dtype():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match=r"y needs a contiguous \(4, 8\) torch.float32"):
         layer_norm(x, torch.ones(8), out=torch.empty(4, 8, dtype=torch.bfloat16))
+
+
+
+def _ports_check(rms, n_ports, device, backend):
+    """With grad_ports, y comes with ports whose gradients are added to y's: the gradients of x, the
+    residual, the weight and the bias are those of y's gradient given as y's and the ports' fp32 sum
+    rounded once to bf16 (kernels.sum_parts' bits), and a port left without a gradient adds nothing."""
+    torch.manual_seed(6)
+    shape = (6, 5, 48)
+    x0, r0 = torch.randn(shape, device=device).to(torch.bfloat16), torch.randn(shape, device=device)
+    w0, b0 = 1 + 0.1 * torch.randn(48, device=device), 0.1 * torch.randn(48, device=device)
+    dys = [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(1 + n_ports)]
+
+    def grads(ports, given):
+        x, r, w, b = (t.clone().requires_grad_() for t in (x0, r0, w0, b0))
+        with use_backend(backend):
+            if rms:
+                y, res = rms_norm(x, w, residual=r, out_dtype=torch.bfloat16, grad_ports=ports)
+            else:
+                y, res = layer_norm(x, w, b, residual=r, out_dtype=torch.bfloat16, grad_ports=ports)
+            y, *port_outs = y if ports else (y,)  # (y, *ports) with ports
+            assert len(port_outs) == ports and all(p.shape == y.shape and p.dtype == y.dtype for p in port_outs)
+            torch.autograd.backward([y, *port_outs[:len(given) - 1]], given)
+        return x.grad, r.grad, w.grad, (None if rms else b.grad)
+
+    names = ("dx", "dresidual", "dweight", "dbias")
+    with_ports, with_sum = grads(n_ports, dys), grads(0, [sum_parts(dys, torch.bfloat16)])
+    # Triton's CPU interpreter rounds fp32 to bf16 toward zero, torch to nearest: bits there, a bf16 error here
+    exact = backend == "reference" or device != "cpu"
+    for name, a, e in zip(names, with_ports, with_sum):
+        if a is None and e is None:
+            continue
+        if exact:
+            assert torch.equal(a, e), f"{name} with {n_ports} ports differs from the sum's"
+        else:
+            assert_rel(a, e, torch.bfloat16, f"{name} with {n_ports} ports")
+    for name, a, e in zip(names, grads(n_ports, dys[:1]), grads(0, dys[:1])):
+        assert (a is None and e is None) or torch.equal(a, e), f"{name} differs where the ports get no gradient"
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n_ports", [1, 3])
+def test_norm_adds_its_ports_gradients_to_ys(backend, rms, n_ports):
+    _ports_check(rms, n_ports, "cpu", backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("n_ports", [1, 3])
+def test_norm_adds_its_ports_gradients_to_ys_on_gpu(rms, n_ports):
+    _ports_check(rms, n_ports, DEVICE, "triton")
+
+
+def test_norm_refuses_more_ports_than_its_kernel_adds():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"grad_ports=4 must be in \[0, 3\]"):
+        layer_norm(x, torch.ones(8), residual=x, grad_ports=4)

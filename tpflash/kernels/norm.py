@@ -20,6 +20,7 @@ def _check_norm_inputs(x, weight, bias, residual) -> None:
 
 
 Parts = Union[torch.Tensor, Sequence[torch.Tensor]]  # x, or parts whose sum is x
+MAX_PARTS = 4  # the kernels add up to this many parts of x (forward) and of y's gradient (backward)
 
 
 def _parts_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -31,6 +32,24 @@ def _parts_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return total.to(parts[0].dtype)
 
 
+class _GradPorts(torch.autograd.Function):
+    """(y, *ports) from y: `count` ports, each shaped like y and holding nothing (a zero-stride view),
+    whose gradients are added to y's in fp32, in order, rounded once to y's gradient's dtype (the
+    Triton backward's rule, here as torch ops)."""
+
+    @staticmethod
+    def forward(ctx, y, count):
+        ctx.set_materialize_grads(False)  # a port whose gradient never comes adds nothing
+        return (y.view_as(y), *(y.new_empty(()).expand(y.shape) for _ in range(count)))
+
+    @staticmethod
+    def backward(ctx, dy, *dports):
+        given = [d for d in dports if d is not None]
+        if not given:
+            return dy, None
+        return _parts_sum([torch.zeros_like(given[0]) if dy is None else dy, *given]), None
+
+
 def _check_out(out: Optional[torch.Tensor], x: torch.Tensor, y_dtype: torch.dtype) -> None:
     if out is not None and (out.shape != x.shape or out.dtype != y_dtype or out.device != x.device
                             or not out.is_contiguous()):
@@ -39,7 +58,10 @@ def _check_out(out: Optional[torch.Tensor], x: torch.Tensor, y_dtype: torch.dtyp
 
 
 def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[torch.dtype],
-          out: Optional[torch.Tensor] = None):
+          out: Optional[torch.Tensor] = None, grad_ports: int = 0):
+    if not 0 <= grad_ports < MAX_PARTS:
+        raise ValueError(f"grad_ports={grad_ports} must be in [0, {MAX_PARTS - 1}] (the backward adds up to "
+                         f"{MAX_PARTS} parts of y's gradient)")
     parts = tuple(x) if isinstance(x, (tuple, list)) else (x,)
     for i, part in enumerate(parts):
         if part.shape != parts[0].shape or part.device != parts[0].device:
@@ -49,9 +71,11 @@ def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[
     _check_norm_inputs(x, weight, bias, residual)
     _check_out(out, x, out_dtype or x.dtype)
     if dispatch.pick(x) == "triton":
-        from .norm_kernels import MAX_PARTS, triton_norm
+        from .norm_kernels import triton_norm
         if len(parts) == 1 or (residual is not None and len(parts) <= MAX_PARTS):
-            y, new_residual = triton_norm(x, weight, bias, eps, residual, rms, out_dtype, more=parts[1:], out=out)
+            y, new_residual, *ports = triton_norm(x, weight, bias, eps, residual, rms, out_dtype, more=parts[1:],
+                                                  out=out, grad_ports=grad_ports)
+            y = (y, *ports) if grad_ports else y
             return y if residual is None else (y, new_residual)
     if len(parts) > 1:  # the sum as the kernel forms it
         x = _parts_sum(parts)
@@ -61,12 +85,14 @@ def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[
         y = y.to(out_dtype)
     if out is not None:  # filled as well; y stays a tensor of its own (autograd's)
         out.copy_(y.detach())
+    if grad_ports:
+        y = _GradPorts.apply(y, grad_ports)
     return y if residual is None else (y, new_residual)
 
 
 def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
                residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-               out: Optional[torch.Tensor] = None):
+               out: Optional[torch.Tensor] = None, grad_ports: int = 0):
     """LayerNorm over the last dim of x [..., n] with fp32 statistics; weight/bias [n].
 
     Returns y (x's dtype, or `out_dtype`: the fp32 result rounded once, as a later cast would), or
@@ -81,15 +107,21 @@ def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = No
     its consumer reads it (a column layer's gathered-input buffer: ParallelAttention.input_part); the
     Triton kernels return y as a view of it, the reference path returns a tensor of its own and fills
     out with the same values. ValueError for an out of another shape, dtype or device.
+    `grad_ports` (0 to 3): y comes as a tuple (y, *ports), each port shaped like y and holding nothing
+    (a zero-stride view), whose gradients the backward adds to y's, in fp32, in order, rounded once
+    to y's gradient's dtype (sum_parts' bits), inside the kernel: a consumer whose gradient for y comes
+    as parts (a reduce-scatter's, unsummed: the overlapped column layer's input gradient inside a
+    CUDA graph capture) returns its first part as y's gradient and the others as the ports', and the
+    sum is never written on its own. A port whose gradient never comes adds nothing.
     """
-    return _norm(x, weight, bias, eps, residual, False, out_dtype, out)
+    return _norm(x, weight, bias, eps, residual, False, out_dtype, out, grad_ports)
 
 
 def rms_norm(x: Parts, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
-             out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None):
+             out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None, grad_ports: int = 0):
     """RMSNorm x * rsqrt(mean(x^2) + eps) * weight over the last dim, fp32 statistics.
 
-    Same residual, parts, `out_dtype` and `out` conventions as `layer_norm`: with `residual`, returns
-    (RMSNorm(x + residual), x + residual).
+    Same residual, parts, `out_dtype`, `out` and `grad_ports` conventions as `layer_norm`: with
+    `residual`, returns (RMSNorm(x + residual), x + residual).
     """
-    return _norm(x, weight, None, eps, residual, True, out_dtype, out)
+    return _norm(x, weight, None, eps, residual, True, out_dtype, out, grad_ports)

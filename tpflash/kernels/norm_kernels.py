@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .column_sum_kernel import sum_partials
 from .dispatch import interpreting
+from .norm import MAX_PARTS
 
 
 @triton.jit
@@ -74,9 +75,10 @@ INTERPRET_BWD = {"ROWS": 2, "STAGES": 2, "WARPS": 1, "PER_SM": None}  # CPU inte
 
 
 @triton.jit
-def _norm_bwd_kernel(H, W, DY, DRES, DX, DX_LOW, DW, DB, MEAN, RSTD, rows, n, rows_per_program, partial_stride,
-                     BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, RMS: tl.constexpr,
-                     HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DX_LOW: tl.constexpr):
+def _norm_bwd_kernel(H, W, DY, DY1, DY2, DY3, DRES, DX, DX_LOW, DW, DB, MEAN, RSTD, rows, n, rows_per_program,
+                     partial_stride, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, RMS: tl.constexpr,
+                     HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DX_LOW: tl.constexpr,
+                     DY_PARTS: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     in_cols = cols < n
@@ -95,6 +97,14 @@ def _norm_bwd_kernel(H, W, DY, DRES, DX, DX_LOW, DW, DB, MEAN, RSTD, rows, n, ro
         at = r.to(tl.int64)[:, None] * n + cols[None, :]
         h = tl.load(H + at, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
+        if DY_PARTS > 1:  # dy = DY + DY1 (+ DY2 + DY3), added in fp32 in this order
+            dy += tl.load(DY1 + at, mask=mask, other=0.0).to(tl.float32)
+        if DY_PARTS > 2:
+            dy += tl.load(DY2 + at, mask=mask, other=0.0).to(tl.float32)
+        if DY_PARTS > 3:
+            dy += tl.load(DY3 + at, mask=mask, other=0.0).to(tl.float32)
+        if DY_PARTS > 1:  # rounded once to dy's dtype, as the summed reduce-scatter stores it (sum_parts' bits)
+            dy = dy.to(DY.dtype.element_ty).to(tl.float32)
         rstd = tl.load(RSTD + r, mask=in_rows, other=0.0)[:, None]  # [ROWS, 1]
         if RMS:
             xhat = h * rstd
@@ -128,14 +138,16 @@ def _warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
-def _bwd_launch(block: int, tensors: dict, has_dres: bool) -> dict:
-    """{"ROWS", "STAGES", "WARPS", "PER_SM"} of the backward on a GPU, from BLOCK and the dtypes."""
+def _bwd_launch(block: int, tensors: dict, has_dres: bool, dy_parts: int = 1) -> dict:
+    """{"ROWS", "STAGES", "WARPS", "PER_SM"} of the backward on a GPU, from BLOCK, the dtypes and how many
+    parts dy comes in."""
     h_bytes = tensors["H"].element_size()
     # below 256 columns a warp's lanes no longer all lie along the row for every ROWS, and the row
     # sums would change with ROWS
     rows = 2 if block >= 256 and 2 * block * h_bytes <= TILE_BYTES else 1
     warps = min(max(rows * block // ELEMENTS_PER_WARP, 4), 16)
     loaded = sum(tensors[k].element_size() for k in (["H", "DY", "DRES"] if has_dres else ["H", "DY"]))
+    loaded += (dy_parts - 1) * tensors["DY"].element_size()
     stages = 3
     while stages > 1 and stages * rows * block * loaded > SMEM_BUDGET:
         stages -= 1
@@ -154,10 +166,13 @@ def _launch_shape(n: int):
     return block, _warps(block)
 
 
-def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, launch=None, low_dtype=None):
+def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, launch=None, low_dtype=None,
+                   dy_parts=()):
     """(dx [rows, n], dweight, dbias or None, dx_low or None) of the norm of h [rows, n] (contiguous, as
     are dy/dres). dx_low: dx rounded to `low_dtype` (x's dtype under a residual of another dtype),
-    written in the same pass as dx when `low_dtype` is given.
+    written in the same pass as dx when `low_dtype` is given. dy_parts: up to MAX_PARTS - 1 more
+    [rows, n] tensors whose sum with dy is y's gradient (added in fp32 in order, rounded once to dy's
+    dtype, inside the kernel).
 
     Program p owns rows [p * per_program, (p + 1) * per_program) and writes their dweight/dbias sums
     to row p of fp32 [programs, n] buffers, summed here: no atomics, deterministic. `launch`
@@ -166,7 +181,8 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, l
     """
     rows, n = h.shape
     block, _ = _launch_shape(n)
-    rule = INTERPRET_BWD if interpreting() else _bwd_launch(block, {"H": h, "DY": dy, "DRES": dres}, dres is not None)
+    rule = INTERPRET_BWD if interpreting() else _bwd_launch(block, {"H": h, "DY": dy, "DRES": dres}, dres is not None,
+                                                            1 + len(dy_parts))
     launch = dict(rule, **(launch or {}))
     groups = 4 if launch["PER_SM"] is None or h.device.type != "cuda" else launch["PER_SM"] * _sm_count(h.device)
     dx = torch.empty(rows, n, device=h.device, dtype=dx_dtype)
@@ -178,9 +194,10 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, l
     sums_per_row = 1 if bias is None else 2
     partials = torch.empty(programs, sums_per_row, n, device=h.device, dtype=torch.float32)
     dw, db = partials[:, 0], (None if bias is None else partials[:, 1])
-    args = (h, weight, dy, dres, dx, dx_low, dw, db, mean, rstd, rows, n, per_program, sums_per_row * n)
+    more_dy = list(dy_parts) + [dy] * (MAX_PARTS - 1 - len(dy_parts))  # unused pointers: any tensor
+    args = (h, weight, dy, *more_dy, dres, dx, dx_low, dw, db, mean, rstd, rows, n, per_program, sums_per_row * n)
     flags = dict(BLOCK=block, RMS=rms, HAS_DRES=dres is not None, HAS_BIAS=bias is not None,
-                 HAS_DX_LOW=dx_low is not None)
+                 HAS_DX_LOW=dx_low is not None, DY_PARTS=1 + len(dy_parts))
     _norm_bwd_kernel[(programs,)](*args, **flags, ROWS=launch["ROWS"], STAGES=launch["STAGES"],
                                   num_warps=launch["WARPS"])
     sums = sum_partials(partials.view(programs, sums_per_row * n)).view(sums_per_row, n)
@@ -188,15 +205,14 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, l
     return dx, sums[0].to(weight.dtype), dbias, dx_low
 
 
-MAX_PARTS = 4  # x's parts the forward kernel adds
-
-
 class _TritonNorm(torch.autograd.Function):
     """y = norm(x (+ residual)); x's further parts (`more`, with a residual only) are added to x first
-    and get no gradient."""
+    and get no gradient. `grad_ports` more outputs, each shaped like y and holding nothing (a zero-stride
+    view), whose gradients the backward adds to y's: a consumer of y that has y's gradient in
+    parts returns its first part as y's gradient and the others as the ports' (kernels.layer_norm)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, rms, out_dtype, out, *more):
+    def forward(ctx, x, weight, bias, residual, eps, rms, out_dtype, out, grad_ports, *more):
         n = x.shape[-1]
         x2 = x.reshape(-1, n).contiguous()
         rows = x2.shape[0]
@@ -214,14 +230,21 @@ class _TritonNorm(torch.autograd.Function):
         ctx.save_for_backward(res_out if residual is not None else x2, weight, bias, mean, rstd)
         ctx.rms, ctx.has_residual, ctx.x_dtype, ctx.more_parts = rms, residual is not None, x.dtype, len(more)
         ctx.shape = x.shape
+        # a gradient that never comes stays None: no zeros made for an unused residual or port
+        ctx.set_materialize_grads(False)
         res_shaped = res_out.reshape(x.shape) if residual is not None else None
-        return y.reshape(x.shape), res_shaped
+        ports = [y.new_empty(()).expand(x.shape) for _ in range(grad_ports)]
+        return (y.reshape(x.shape), res_shaped, *ports)
 
     @staticmethod
-    def backward(ctx, dy, dres):
+    def backward(ctx, dy, dres, *dports):
         h, weight, bias, mean, rstd = ctx.saved_tensors
         n = h.shape[1]
-        dy = dy.reshape(-1, n).contiguous()
+        more = (None,) * ctx.more_parts
+        if dy is None and dres is None:  # nothing reached y or the new residual
+            return (None,) * (9 + ctx.more_parts)
+        dy = torch.zeros_like(h) if dy is None else dy.reshape(-1, n).contiguous()
+        dy_parts = [d.reshape(-1, n).contiguous() for d in dports if d is not None]
         has_dres = ctx.has_residual and dres is not None
         dres = dres.reshape(-1, n).contiguous() if has_dres else None
         # with a residual, dx is the residual's gradient (in its dtype, h's) and x's too: when x's dtype
@@ -229,19 +252,20 @@ class _TritonNorm(torch.autograd.Function):
         x_low = ctx.has_residual and ctx.x_dtype != h.dtype
         dx, dweight, dbias, dx_low = _norm_backward(h, weight, bias, dy, dres, mean, rstd, ctx.rms,
                                                     h.dtype if ctx.has_residual else ctx.x_dtype,
-                                                    low_dtype=ctx.x_dtype if x_low else None)
+                                                    low_dtype=ctx.x_dtype if x_low else None, dy_parts=dy_parts)
         dx = dx.reshape(ctx.shape)
-        more = (None,) * ctx.more_parts
         if ctx.has_residual:
-            return (dx_low.reshape(ctx.shape) if x_low else dx, dweight, dbias, dx, None, None, None, None) + more
-        return (dx, dweight, dbias, None, None, None, None, None) + more
+            return (dx_low.reshape(ctx.shape) if x_low else dx, dweight, dbias, dx, None, None, None, None, None) + more
+        return (dx, dweight, dbias, None, None, None, None, None, None) + more
 
 
-def triton_norm(x, weight, bias, eps: float, residual, rms: bool, out_dtype=None, more=(), out=None):
-    """(y, new_residual or None) from the Triton kernels; see tpflash.kernels.layer_norm. `more`: x's
-    further parts (with a residual; up to MAX_PARTS in all), added to x first, given no gradient.
-    `out`: a contiguous tensor of x's shape and y's dtype that y is written into (y is a view of it)."""
+def triton_norm(x, weight, bias, eps: float, residual, rms: bool, out_dtype=None, more=(), out=None,
+                grad_ports: int = 0):
+    """(y, new_residual or None, *ports) from the Triton kernels; see tpflash.kernels.layer_norm. `more`:
+    x's further parts (with a residual; up to MAX_PARTS in all), added to x first, given no gradient.
+    `out`: a contiguous tensor of x's shape and y's dtype that y is written into (y is a view of it).
+    grad_ports (up to MAX_PARTS - 1): outputs whose gradients are further parts of y's (_TritonNorm)."""
     if more and (residual is None or len(more) >= MAX_PARTS):
         raise ValueError(f"triton_norm: x's further parts need a residual and at most {MAX_PARTS} parts in all "
                          f"(got {1 + len(more)}, residual={'given' if residual is not None else 'None'})")
-    return _TritonNorm.apply(x, weight, bias, residual, eps, rms, out_dtype, out, *more)
+    return _TritonNorm.apply(x, weight, bias, residual, eps, rms, out_dtype, out, grad_ports, *more)

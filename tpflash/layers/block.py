@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ..kernels.norm import MAX_PARTS
 from ..parallel import comm
 from ..parallel.held_work import HeldWork
 from ..parallel.random import RNGTracker
@@ -124,6 +125,19 @@ class ParallelTransformerBlock(nn.Module):
         forward: its `norm_sums_parts`); only where this block leaves its own output projection's
         parts to its norm (no dropout, no recomputation). GraphedBlocks sets it for its capture."""
         self.mlp.down_proj.output_parts = enabled and self.norm_sums_parts
+
+    def take_input_grad_parts(self, enabled: bool) -> None:
+        """Whether the norms' outputs come with gradient ports (ParallelNorm's `grad_ports`: tp - 1) through
+        which the q/k/v and up projections hand back their input gradient as the reduce-scatter's
+        parts, unsummed, where the norms' backward kernels add them (inside a CUDA graph capture,
+        overlapped). Only where nothing of the forward is recomputed and the projections multiply in
+        the compute dtype, at 2 to 4 ranks (the kernel adds up to four parts). GraphedBlocks sets it
+        for its capture."""
+        ports = group_size(self.process_group) - 1
+        able = (enabled and 1 <= ports < MAX_PARTS and self.checkpoint in (None, "activation")
+                and self.fp8 == "off")
+        self.attn_norm.grad_ports = ports if able else 0
+        self.mlp_norm.grad_ports = ports if able and not self.mlp.fused_dense else 0
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return self.rng_tracker.dropout(x, self.dropout, sharded=self.sequence_parallel, training=self.training)

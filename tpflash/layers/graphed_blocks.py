@@ -25,6 +25,8 @@ What a replay assumes, checked where it can be:
   symmetric-memory workspaces so that capture allocates nothing;
 - each block but the last hands the next block's norm its MLP's reduce-scatter parts unsummed,
   which that norm's kernel adds (ParallelTransformerBlock.hand_output_parts, set for the capture);
+  in the backward, the q/k/v and up projections hand the norm before them their input gradient's
+  reduce-scatter parts unsummed, which that norm's backward kernel adds (take_input_grad_parts);
 - each block's output projection runs work its block hands it while its transfers travel
   (tpflash.parallel.held_work): in the forward graph the next block's weight casts, in the backward
   graph the up projection's weight gradient, computed late: every gradient is complete when the
@@ -169,16 +171,23 @@ class GraphedBlocks:
         """For the capture, every block but the last hands its output to the next block's norm as the
         reduce-scatter's parts, unsummed (ParallelTransformerBlock.hand_output_parts), where that norm
         adds them at once (a block that recomputes its forward later would read them after the
-        buffers they lie in were written again): the stack's own outputs stay whole tensors."""
+        buffers they lie in were written again): the stack's own outputs stay whole tensors. And in
+        the backward, each block's q/k/v and up projections hand their input gradient's parts to the
+        norm before them, whose kernel adds them (ParallelTransformerBlock.take_input_grad_parts)."""
         handing = [b for b, nxt in zip(self.blocks, self.blocks[1:])
                    if hasattr(b, "hand_output_parts") and getattr(nxt, "norm_sums_parts", False)]
+        taking = [b for b in self.blocks if hasattr(b, "take_input_grad_parts")]
         for block in handing:
             block.hand_output_parts(True)
+        for block in taking:
+            block.take_input_grad_parts(True)
         try:
             yield
         finally:
             for block in handing:
                 block.hand_output_parts(False)
+            for block in taking:
+                block.take_input_grad_parts(False)
 
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -101,12 +101,15 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     cast first and gathered in fp8 (no overlap pipelining). fp8_amaxes: x's amax (this rank's part)
     and the stacked outputs' gradient's, from the neighbouring kernels (Fp8Amaxes). held: on the
     overlapped path, where the weight gradient may be held back for a later layer's waits
-    (tpflash.parallel.held_work).
+    (tpflash.parallel.held_work). x may also come as (x, *ports) from a norm with `grad_ports`
+    (kernels.layer_norm): the overlapped path hands the ports its input gradient's received parts;
+    elsewhere the ports are left without a gradient, which adds nothing.
     """
+    x, grad_ports = (x[0], tuple(x[1:])) if isinstance(x, tuple) else (x, ())
     if fp8 != "off" and sequence_parallel and group_size(group) > 1:
         return fp8_linears(x, weights, biases, fp8, group, seq_dim, fp8_amaxes)
     if fp8 == "off" and _overlapped(sequence_parallel, seq_dim, group, overlap):
-        return _overlap.all_gather_linear(x, weights, biases, group, save_gathered_input, held)
+        return _overlap.all_gather_linear(x, weights, biases, group, save_gathered_input, held, grad_ports)
     x = column_parallel_input(x, group, sequence_parallel, seq_dim)  # [seq, *, in]
     return linears(x, weights, biases, fp8, fp8_amaxes)  # one GEMM over the stacked weights
 

@@ -31,6 +31,9 @@ class ParallelNorm(nn.Module):
     is what the next linear layer would cast it to; that saves the cast's pass and its gradient's
     (the transformer blocks set it; default off: nn.LayerNorm's fp32 output under autocast).
     Process group: `process_group`, else the default tp group, else none; only used under SP.
+    `grad_ports` (0 by default; a block sets it for a CUDA graph capture: take_input_grad_parts): y
+    comes as a tuple (y, *ports) whose ports' gradients the backward adds to y's (kernels.layer_norm),
+    for a column layer that hands back its input gradient as a reduce-scatter's parts, unsummed.
     """
 
     def __init__(self, dim: int, kind: str = "layernorm", eps: float = 1e-5, bias: bool = True,
@@ -46,6 +49,7 @@ class ParallelNorm(nn.Module):
         self.process_group = resolve_tp_group(process_group)
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
+        self.grad_ports = 0
 
     def _params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight, bias) as the kernel uses them: under SP through one copy_to_tp_region_many, which sums
@@ -70,8 +74,8 @@ class ParallelNorm(nn.Module):
         if self.autocast_output and first.is_floating_point() and torch.is_autocast_enabled(first.device.type):
             out_dtype = torch.get_autocast_dtype(first.device.type)
         if self.kind == "layernorm":
-            return kernels.layer_norm(x, weight, bias, self.eps, residual, out_dtype, out)
-        return kernels.rms_norm(x, weight, self.eps, residual, out_dtype, out)
+            return kernels.layer_norm(x, weight, bias, self.eps, residual, out_dtype, out, self.grad_ports)
+        return kernels.rms_norm(x, weight, self.eps, residual, out_dtype, out, self.grad_ports)
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, kind={self.kind}, eps={self.eps}, bias={self.bias is not None}, "

@@ -115,7 +115,7 @@ def overlapping_for_capture(blocks: Sequence[nn.Module], decision: bool):
 def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
                       biases: Optional[Sequence[Optional[torch.Tensor]]] = None, group=None,
                       save_gathered_input: Optional[bool] = None,
-                      held: Optional[HeldWork] = None) -> List[torch.Tensor]:
+                      held: Optional[HeldWork] = None, grad_ports: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
     """[F.linear(all_gather_along_seq(x_local), W_i, b_i) for each i], the gather overlapped with the GEMMs.
 
     x_local: [s/tp, b, in] (sequence-first, this rank's tokens); W_i: [out_i/tp, in]; returns
@@ -125,7 +125,11 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     elsewhere copied out of the peer buffers); False keeps only x_local and gathers it again in the
     backward, beside the input-gradient GEMMs; None (default): `keeps_gathered_input`. held: over a
     kept input, the weight gradient's GEMM may be held back for a later layer's waits
-    (tpflash.parallel.held_work). Process group: `group` (None: tp=1).
+    (tpflash.parallel.held_work). grad_ports: tp - 1 outputs of x_local's producer, shaped like it,
+    whose gradients it adds to x_local's (a norm's `grad_ports`): where the input gradient's
+    reduce-scatter leaves its parts unsummed (inside a CUDA graph capture), this rank's part is
+    x_local's gradient and the received ones are the ports', and no pass adds them here; otherwise
+    the ports get no gradient. Process group: `group` (None: tp=1).
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
@@ -136,7 +140,11 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
         biases = [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
                   for w, b in zip(weights, biases)]
     keep = keeps_gathered_input(save_gathered_input)
-    return list(_ColumnLinearOverPeers.apply(x_local, group, keep, held, len(weights), *weights, *biases))
+    if grad_ports and len(grad_ports) != group_size(group) - 1:
+        raise ValueError(f"got {len(grad_ports)} gradient ports; the input gradient's reduce-scatter over "
+                         f"{group_size(group)} ranks has {group_size(group) - 1} received parts")
+    return list(_ColumnLinearOverPeers.apply(x_local, group, keep, held, len(weights), len(grad_ports),
+                                             *grad_ports, *weights, *biases))
 
 
 def keeps_gathered_input(save_gathered_input: Optional[bool]) -> bool:

@@ -288,11 +288,15 @@ def _chunks(m: int, n: int) -> List[slice]:
 class _ColumnLinearOverPeers(torch.autograd.Function):
     """ys_i = all_gather_seq(x_local) @ W_i^T + b_i: x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp].
     save_gathered: keep the gathered input for the weight gradient, else gather it again there.
-    held: where the weight gradient over a kept input may be held back (HeldWork), or None."""
+    held: where the weight gradient over a kept input may be held back (HeldWork), or None.
+    tensors: n_ports gradient ports (overlap.all_gather_linear's grad_ports), then the weights, then
+    the biases."""
 
     @staticmethod
-    def forward(ctx, x_local, group, save_gathered, held, n, *params):
+    def forward(ctx, x_local, group, save_gathered, held, n, n_ports, *tensors):
+        params = tensors[n_ports:]
         weights, biases = params[:n], params[n:]
+        ctx.n_ports = n_ports
         dtype = linear_compute_dtype(x_local)
         ctx.group, ctx.x_dtype, ctx.local_shape, ctx.held = group, x_local.dtype, x_local.shape, held
         ctx.sizes, ctx.save_gathered = [w.shape[0] for w in weights], save_gathered
@@ -319,7 +323,8 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         lead = next((g.shape[:-1] for g in grad_ys if g is not None), (rows,))  # [s, b] (or [s*b])
         grads = [torch.zeros(lead + (size,), dtype=w_c.dtype, device=w_c.device) if g is None
                  else g.to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]  # [s, b, out_i] (views)
-        has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[5 + n:])
+        first_param = 6 + ctx.n_ports  # the index of the first weight among forward's inputs
+        has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[first_param + n:])
         bias_sums = None
         if n > 1 and has_bias:  # concatenated and their column sums taken in one pass
             grad_y, bias_sums = concat_with_column_sum(grads)  # [s*b, sum out]
@@ -340,11 +345,18 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             else:
                 grad_b = [None] * n
             # [s/tp*b, in]: with the weight gradient computed, the parts are here by now
-            grad_x = pending.finish(own) if holding else pending.finish_matmul(own_rows, w_c)
+            if ctx.n_ports:  # this rank's part for x_local, the received ones (if unsummed) for the ports
+                parts = pending.finish_parts(own if holding else own_rows @ w_c)
+            else:
+                parts = [pending.finish(own) if holding else pending.finish_matmul(own_rows, w_c)]
             if gather is not None:
                 gather.finish()
+        grad_x, *received = (part.view(ctx.local_shape).to(ctx.x_dtype) for part in parts)
+        if len(received) > ctx.n_ports:
+            raise RuntimeError(f"{len(received)} received parts of the input gradient for {ctx.n_ports} ports")
+        port_grads = received + [None] * (ctx.n_ports - len(received))  # a port without one adds nothing
         params = [None if g is None else g.to(dt) for g, dt in zip(list(grad_w) + list(grad_b), ctx.param_dtypes)]
-        return (grad_x.view(ctx.local_shape).to(ctx.x_dtype), None, None, None, None, *params)
+        return (grad_x, None, None, None, None, None, *port_grads, *params)
 
 
 class _RowLinearOverPeers(torch.autograd.Function):
