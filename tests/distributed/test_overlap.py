@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed.checks import assert_close, init_tp, work_dtype
+from tests.kernels.helpers import ZeroFills
 from tpflash.layers import ColumnParallelLinear, RowParallelLinear
 from tpflash.layers.linear import _pipelined
 from tpflash.parallel import overlap, overlap_gemms
@@ -432,21 +432,6 @@ def test_blocks_whose_projections_hand_input_gradient_parts_to_the_norms_match_b
     ranks(tp).run(block_grad_parts_body, tp)
 
 
-class _ZeroFills(TorchDispatchMode):
-    """Records the shapes of the zero-filled tensors made while it is on (autograd fills one for each
-    output of a Function whose gradient never came, unless the Function opts out)."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default, torch.ops.aten.zero_.default):
-            self.shapes.append(tuple(out.shape))
-        return out
-
-
 def parts_backward_body(tp):
     """The row layer's parts other than this rank's own carry no gradient, and its backward has none
     made for them: no [s/tp, b, out] zeros per part (a memset each on a GPU, every block and step)."""
@@ -462,7 +447,7 @@ def parts_backward_body(tp):
     finally:
         overlap_gemms.copy_engines_reach, overlap_gemms._GroupReduceScatter.finish_parts = reach, real
     assert len(parts) == 2 and not parts[1].requires_grad, "the stand-in should hand this rank's part and one more"
-    fills = _ZeroFills()
+    fills = ZeroFills()
     with fills:
         (parts[0].float().square().sum() + parts[1].float().sum()).backward()
     assert h.grad is not None and layer.weight.grad is not None

@@ -10,6 +10,7 @@ from typing import Dict
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpflash.kernels import use_backend
 
@@ -18,6 +19,21 @@ needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") i
                                        reason="Triton on CPU needs TRITON_INTERPRET=1")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+class ZeroFills(TorchDispatchMode):
+    """Records the shapes of the zero tensors made while it is on (autograd makes one for each output
+    of a Function whose gradient never came, unless the Function opts out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default, torch.ops.aten.zero_.default):
+            self.shapes.append(tuple(out.shape))
+        return out
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

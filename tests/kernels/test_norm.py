@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.helpers import DEVICE, assert_rel, float64_twin, needs_interpreter, run_with_grads
+from tests.kernels.helpers import DEVICE, ZeroFills, assert_rel, float64_twin, needs_interpreter, run_with_grads
 from tpflash.kernels import layer_norm, rms_norm, use_backend
 from tpflash.kernels.sum_parts import sum_parts
 from tpflash.kernels.norm_kernels import _norm_backward
@@ -347,3 +347,18 @@ def test_norm_refuses_more_ports_than_its_kernel_adds():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match=r"grad_ports=4 must be in \[0, 3\]"):
         layer_norm(x, torch.ones(8), residual=x, grad_ports=4)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_interpreter)])
+def test_norm_makes_no_zeros_for_an_unused_residual_or_port(backend):
+    """A model's final norm returns a new residual nobody reads, and a port may get no gradient: the
+    backward makes no [rows, n] zeros for them (a memset and a read each, every step on a GPU)."""
+    x, w, _, r = _inputs((6, 5, 48), torch.float32, residual=True, bias=False)
+    x.requires_grad_()
+    with use_backend(backend):
+        (y, port), _ = rms_norm(x, w, residual=r, grad_ports=1)
+    fills = ZeroFills()
+    with fills, use_backend(backend):
+        y.sum().backward()
+    assert x.grad is not None
+    assert (6, 5, 48) not in fills.shapes and (30, 48) not in fills.shapes, f"zeros made: {fills.shapes}"
