@@ -216,3 +216,28 @@ def test_a_block_refuses_parts_without_a_residual():
     x = torch.randn(8, 2, HIDDEN)
     with pytest.raises(ValueError, match="x is a tuple of 2 parts but residual is None"):
         block((x, x))
+
+
+def grad_ports_body(tp):
+    """take_input_grad_parts gives the norms tp - 1 gradient ports only where their kernels can add the
+    column layers' parts: no recomputation of the forward and no fp8 GEMMs (the fused dense MLP and
+    more than four ranks, also refused, need a GPU and eight ranks); taken back, none."""
+    init_tp(tp)
+
+    def ports(**kw):
+        block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, sequence_parallel=True, **{**GPT2, **kw})
+        block.take_input_grad_parts(True)
+        taken = (block.attn_norm.grad_ports, block.mlp_norm.grad_ports)
+        block.take_input_grad_parts(False)
+        assert (block.attn_norm.grad_ports, block.mlp_norm.grad_ports) == (0, 0)
+        return taken
+    assert ports() == (tp - 1, tp - 1)
+    assert ports(checkpoint="activation") == (tp - 1, tp - 1)
+    for checkpoint in ("full", "mlp", "selective"):
+        assert ports(checkpoint=checkpoint) == (0, 0), checkpoint
+    assert ports(fp8="rowwise") == (0, 0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_block_gives_its_norms_gradient_ports_only_where_they_can_add_the_parts(ranks, tp):
+    ranks(tp).run(grad_ports_body, tp)
