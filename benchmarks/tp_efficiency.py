@@ -11,7 +11,12 @@ every GPU, each smaller tp on every group of GPUs, tp=max again) and then runs
 
 on its results: DIR/tp{N}_gpus{a-b}.jsonl, one bench_e2e --results file per launch ({a-b}: the first
 and last GPU index of the launch, e.g. tp1_gpus2-2, tp4_gpus0-3; a second launch of the same GPUs
-adds a suffix: tp4_gpus0-3_b). Prints one markdown table per model.
+adds a suffix: tp4_gpus0-3_b). Prints one markdown table per model. Given several directories and
+`--against DIR` (tp_efficiency.sh's AGAINST: runs of this tree around one run of another tree, in
+one call), it prints each directory's tables, then every layout's step time in each directory and
+the change of their mean against DIR's:
+
+    python3 benchmarks/tp_efficiency.py DIR1 DIR2 --against DIR
 """
 from __future__ import annotations
 
@@ -82,10 +87,50 @@ def table(rows: List[dict]) -> str:
     return "\n\n".join(parts)
 
 
+def step_times(rows: List[dict]) -> Dict[Tuple[str, int, Tuple[int, int]], List[float]]:
+    """{(model, tp, gpus): step ms of each launch of that layout, in file order}."""
+    out: Dict[Tuple[str, int, Tuple[int, int]], List[float]] = {}
+    for r in rows:
+        if r.get("error") or not r.get("step_ms"):
+            raise ValueError(f"{r.get('model')} at tp={r['tp']} on GPUs {r['gpus']}: no step time "
+                             f"({r.get('error', 'step_ms missing')})")
+        out.setdefault((r["model"], r["tp"], r["gpus"]), []).append(r["step_ms"])
+    return out
+
+
+def comparison(runs: List[List[dict]], against: List[dict], names: List[str]) -> str:
+    """A markdown table: every layout's step ms in each run and in `against`, and the change of the runs'
+    mean against against's mean (negative: shorter steps)."""
+    theirs = step_times(against)
+    ours = [step_times(rows) for rows in runs]
+    lines = ["| model | tp | GPUs | " + " | ".join(names) + " | against | change |",
+             "|---|---:|---|" + "---:|" * (len(names) + 2)]
+    for key in sorted(theirs):
+        if any(key not in times for times in ours):
+            raise ValueError(f"{key[0]} at tp={key[1]} on GPUs {key[2]}: in the tree measured against only")
+        mine = [t for times in ours for t in times[key]]
+        change = statistics.mean(mine) / statistics.mean(theirs[key]) - 1
+        cells = [", ".join(f"{t:.2f}" for t in times[key]) for times in ours]
+        model, tp, (a, b) = key
+        lines.append(f"| {model} | {tp} | {a}-{b} | " + " | ".join(cells) +
+                     f" | {', '.join(f'{t:.2f}' for t in theirs[key])} | {100 * change:+.1f}% |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("directory", help="where benchmarks/tp_efficiency.sh wrote tp{N}_gpus{a-b}.jsonl")
-    print(table(load(p.parse_args().directory)))
+    p.add_argument("directories", nargs="+", help="where benchmarks/tp_efficiency.sh wrote tp{N}_gpus{a-b}.jsonl")
+    p.add_argument("--against", help="a directory of another tree's launches to set every layout's step time against")
+    args = p.parse_args()
+    if len(args.directories) == 1 and not args.against:
+        print(table(load(args.directories[0])))
+        return
+    for directory in args.directories + ([args.against] if args.against else []):
+        print(f"## {directory}\n\n{table(load(directory))}\n")
+    if args.against:
+        names = [os.path.basename(os.path.normpath(d)) for d in args.directories]
+        print(f"## step ms against {args.against}\n\n" +
+              comparison([load(d) for d in args.directories], load(args.against), names))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
-from tp_efficiency import efficiencies, load, table  # noqa: E402
+from tp_efficiency import comparison, efficiencies, load, table  # noqa: E402
 
 
 def _write(directory, name, rows):
@@ -66,3 +66,82 @@ def test_a_file_whose_gpus_do_not_match_its_tp_is_refused(tmp_path):
 
 def test_the_launcher_script_parses():
     subprocess.run(["bash", "-n", os.path.join(BENCH, "tp_efficiency.sh")], check=True)
+
+
+def _timed(directory, step_ms):
+    """One tree's launches of model m on 2 GPUs, each launch's step ms from `step_ms`."""
+    os.makedirs(directory, exist_ok=True)
+    for gpu in (0, 1):
+        _write(directory, f"tp1_gpus{gpu}-{gpu}.jsonl", [{"model": "m", "tp": 1, "tok_s_gpu": 100.0, "step_ms": 200.0}])
+    for name, ms in zip(("tp2_gpus0-1.jsonl", "tp2_gpus0-1_b.jsonl"), step_ms):
+        _write(directory, name, [{"model": "m", "tp": 2, "tok_s_gpu": 90.0, "step_ms": ms}])
+
+
+def test_a_comparison_sets_each_layouts_step_time_against_the_other_trees(tmp_path):
+    _timed(str(tmp_path / "this1"), [99.0, 101.0])
+    _timed(str(tmp_path / "this2"), [98.0, 98.0])
+    _timed(str(tmp_path / "against"), [100.0, 104.0])
+    text = comparison([load(str(tmp_path / d)) for d in ("this1", "this2")], load(str(tmp_path / "against")),
+                      ["this1", "this2"])
+    assert "| m | 2 | 0-1 | 99.00, 101.00 | 98.00, 98.00 | 100.00, 104.00 | -2.9% |" in text  # 99 / 102 - 1
+    assert "| m | 1 | 1-1 | 200.00 | 200.00 | 200.00 | +0.0% |" in text
+
+
+def test_a_comparison_refuses_a_layout_one_tree_lacks(tmp_path):
+    _timed(str(tmp_path / "this1"), [99.0])
+    _timed(str(tmp_path / "against"), [100.0])
+    os.remove(tmp_path / "this1" / "tp1_gpus1-1.jsonl")
+    with pytest.raises(ValueError, match="in the tree measured against only"):
+        comparison([load(str(tmp_path / "this1"))], load(str(tmp_path / "against")), ["this1"])
+
+
+_FAKE_PYTHON = r"""#!/usr/bin/env bash
+# a stand-in python3: a torchrun launch of bench_e2e records where it ran and writes a row (the tree
+# measured against is 5% slower); anything else runs the real interpreter
+if [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then
+  while [ $# -gt 0 ]; do case "$1" in --tp) tp=$2;; --results) out=$2;; esac; shift; done
+  echo "$PWD tp=$tp" >> "$LAUNCH_LOG"
+  ms=100; [ -f SLOWER ] && ms=105
+  echo "{\"model\": \"m\", \"tp\": $tp, \"tok_s_gpu\": $(( 10000 / ms )), \"step_ms\": $ms}" > "$out"
+  exit 0
+fi
+exec REAL "$@"
+"""
+
+
+def _run_launcher(tmp_path, **env_extra):
+    """tp_efficiency.sh on 2 fake GPUs at TPS=2 with the stand-in python3: (its stdout, the tree of
+    each launch in order)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(_FAKE_PYTHON.replace("REAL", sys.executable))
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho GPU 0; echo GPU 1\n")
+    for tool in ("python3", "nvidia-smi"):
+        os.chmod(bin_dir / tool, 0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), TPS="2",
+               LAUNCH_LOG=str(tmp_path / "launches.txt"), **env_extra)
+    done = subprocess.run(["bash", os.path.join(BENCH, "tp_efficiency.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout, [line.split()[0] for line in (tmp_path / "launches.txt").read_text().splitlines()]
+
+
+def test_the_launcher_writes_one_table_of_this_tree(tmp_path):
+    out, trees = _run_launcher(tmp_path)
+    assert trees == [os.path.dirname(BENCH)] * 4, trees  # tp=2, tp=1 on each GPU, tp=2 again
+    assert "| 2 | 0-1 | 100 | 1.000 |" in out and (tmp_path / "out" / "tp2_gpus0-1_b.jsonl").exists()
+
+
+def test_the_launcher_runs_this_tree_around_the_other_one(tmp_path):
+    """AGAINST=<tree>: the launches with this tree, then with that one, then with this one again, each
+    in a directory of its own, then the tables and the step times against that tree."""
+    other = tmp_path / "other"
+    (other / "benchmarks").mkdir(parents=True)
+    (other / "benchmarks" / "bench_e2e.py").write_text("")
+    (other / "SLOWER").write_text("")
+    out, trees = _run_launcher(tmp_path, AGAINST=str(other))
+    repo = os.path.dirname(BENCH)
+    assert trees == [repo] * 4 + [str(other)] * 4 + [repo] * 4, trees
+    for run in ("this1", "against", "this2"):
+        assert (tmp_path / "out" / run / "tp2_gpus0-1_b.jsonl").exists(), run
+    assert "| m | 2 | 0-1 | 100.00, 100.00 | 100.00, 100.00 | 105.00, 105.00 | -4.8% |" in out
