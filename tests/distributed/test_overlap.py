@@ -314,43 +314,50 @@ def _finish_as_parts(self, own):
     return [own, total - own]
 
 
-def block_parts_body(tp):
-    """Blocks whose row layers hand the next norm their reduce-scatter's parts (the output projection's to
-    mlp_norm; with hand_output_parts, the MLP's to the next block's attn_norm) compute what blocks
-    handing over the sums compute, forward and backward. The group's own collectives stand in, on
-    GPUs too: the copy engines leave parts unsummed only inside graph captures, which the graphed
-    GPU tests check (test_graphed_blocks' train_body)."""
+def _two_blocks(tp, kinds, **block_kw):
+    """Two overlapped blocks of `kinds` ((mlp, norm) each), this rank's input and an output gradient, and
+    run(after_forward) -> (output, input grad, parameter grads) of one forward and backward through
+    both, after_forward(the first block's output) called between them. The group's own collectives
+    carry the overlapped layers' transfers, on GPUs too (the copy engines leave parts unsummed only
+    inside graph captures, which test_graphed_blocks' train_body checks)."""
     from tpflash.layers import ParallelTransformerBlock
     ps = init_tp(tp)
     dtype = work_dtype(ps.device)
     torch.manual_seed(0)
-    blocks = [ParallelTransformerBlock(IN, 4, 2, mlp="swiglu", norm="rmsnorm", position="rotary",
-                                       sequence_parallel=True, device=ps.device, dtype=dtype) for _ in range(2)]
+    blocks = [ParallelTransformerBlock(IN, 4, 2, mlp=mlp, norm=norm, sequence_parallel=True, device=ps.device,
+                                       dtype=dtype, **block_kw) for mlp, norm in kinds]
     for block in blocks:
         overlap.set_overlap(block, True)
     x_local = _randn(ps, dtype, SEQ, BATCH, IN)[_rows(ps, tp)]
     grad_y = _randn(ps, dtype, SEQ // tp, BATCH, IN, seed=ps.tp_rank)
-    handed = []
 
-    def run():
+    def run(after_forward=lambda first_out: None):
         x = x_local.clone().requires_grad_()
-        out, residual = blocks[0](x)
-        handed.append(isinstance(out, tuple))
-        out, residual = blocks[1](out, residual)
+        first_out, residual = blocks[0](x)
+        out, residual = blocks[1](first_out, residual)
+        after_forward(first_out)
         (out + residual).backward(grad_y)
         grads = {f"{i}.{n}": p.grad.clone() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
         for block in blocks:
             block.zero_grad()
         return (out + residual).detach(), x.grad, grads
+    return blocks, run
 
+
+def block_parts_body(tp):
+    """Blocks whose row layers hand the next norm their reduce-scatter's parts (the output projection's to
+    mlp_norm; with hand_output_parts, the MLP's to the next block's attn_norm) compute what blocks
+    handing over the sums compute, forward and backward."""
+    blocks, run = _two_blocks(tp, [("swiglu", "rmsnorm")] * 2, position="rotary")
+    handed = []
     reach = overlap_gemms.copy_engines_reach
     overlap_gemms.copy_engines_reach = lambda x, group: False
     real = overlap_gemms._GroupReduceScatter.finish_parts
     try:
-        summed = run()
+        summed = run(lambda first_out: handed.append(isinstance(first_out, tuple)))
         overlap_gemms._GroupReduceScatter.finish_parts = _finish_as_parts
         blocks[0].hand_output_parts(True)
-        parted = run()
+        parted = run(lambda first_out: handed.append(isinstance(first_out, tuple)))
     finally:
         overlap_gemms.copy_engines_reach = reach
         overlap_gemms._GroupReduceScatter.finish_parts = real
@@ -377,33 +384,10 @@ def block_grad_parts_body(tp):
     """Blocks whose q/k/v and up projections hand their input gradient's reduce-scatter parts to the
     norms before them (take_input_grad_parts), which add them in their backward, compute what blocks
     handing over the sums compute, forward and backward; every such projection handed tp parts.
-    The group's own collectives stand in for the copy engines, whose parts come unsummed only inside
-    graph captures (test_graphed_blocks' train_body checks those on GPUs). No q/k/v biases: the k
-    bias's gradient is zero but for rounding (softmax ignores a shift shared by every key), which
-    adding the parts in another order changes."""
-    from tpflash.layers import ParallelTransformerBlock
-    ps = init_tp(tp)
-    dtype = work_dtype(ps.device)
-    torch.manual_seed(0)
-    blocks = [ParallelTransformerBlock(IN, 4, 2, mlp=mlp, norm=norm, qkv_bias=False, sequence_parallel=True,
-                                       device=ps.device, dtype=dtype)
-              for mlp, norm in (("swiglu", "rmsnorm"), ("gelu", "layernorm"))]
-    for block in blocks:
-        overlap.set_overlap(block, True)
-    x_local = _randn(ps, dtype, SEQ, BATCH, IN)[_rows(ps, tp)]
-    grad_y = _randn(ps, dtype, SEQ // tp, BATCH, IN, seed=ps.tp_rank)
+    No q/k/v biases: the k bias's gradient is zero but for rounding (softmax ignores a shift shared
+    by every key), which adding the parts in another order changes."""
+    blocks, run = _two_blocks(tp, [("swiglu", "rmsnorm"), ("gelu", "layernorm")], qkv_bias=False)
     handed = []
-
-    def run():
-        x = x_local.clone().requires_grad_()
-        out, residual = blocks[0](x)
-        out, residual = blocks[1](out, residual)
-        handed.clear()  # the output projections' forward parts: only the backward's count below
-        (out + residual).backward(grad_y)
-        grads = {f"{i}.{n}": p.grad.clone() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
-        for block in blocks:
-            block.zero_grad()
-        return (out + residual).detach(), x.grad, grads
 
     def spy(self, own):
         parts = _finish_as_world_parts(self, own)
@@ -417,7 +401,8 @@ def block_grad_parts_body(tp):
         overlap_gemms._GroupReduceScatter.finish_parts = spy
         for block in blocks:
             block.take_input_grad_parts(True)
-        parted = run()
+        # the output projections' forward parts counted out: the backward's only
+        parted = run(lambda first_out: handed.clear())
     finally:
         overlap_gemms.copy_engines_reach = reach
         overlap_gemms._GroupReduceScatter.finish_parts = real
