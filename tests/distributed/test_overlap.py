@@ -156,8 +156,8 @@ def linear_reduce_scatter_body(tp):
 
 def held_body(tp):
     """An output projection, then an up projection, as in a block: with holding on, the up projection's
-    backward holds its weight-gradient GEMM and the output projection's backward runs it after its
-    own rows' GEMM; every gradient is the one computed at once, bit for bit."""
+    backward holds its weight-gradient GEMM and the output projection's backward runs it before its
+    own input gradient's GEMM; every gradient is the one computed at once, bit for bit."""
     from tpflash.parallel.held_work import HeldWork, holding_gradients
     ps = init_tp(tp)
     h_local = _randn(ps, torch.float32, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
@@ -395,6 +395,9 @@ def block_grad_parts_body(tp):
         return parts
 
     reach, real = overlap_gemms.copy_engines_reach, overlap_gemms._GroupReduceScatter.finish_parts
+    send_all, width = overlap_gemms._send_all_parts, overlap_gemms.ONE_GEMM_FROM_WIDTH
+    one_gemm_sends = []
+    overlap_gemms._send_all_parts = lambda *args: one_gemm_sends.append(1) or send_all(*args)
     overlap_gemms.copy_engines_reach = lambda x, group: False
     try:
         summed = run()
@@ -403,13 +406,19 @@ def block_grad_parts_body(tp):
             block.take_input_grad_parts(True)
         # the output projections' forward parts counted out: the backward's only
         parted = run(lambda first_out: handed.clear())
+        assert not one_gemm_sends, "these projections are too narrow for their input gradient in one GEMM"
+        overlap_gemms.ONE_GEMM_FROM_WIDTH = 0  # every projection's input gradient in one GEMM
+        one_gemm = run()
     finally:
         overlap_gemms.copy_engines_reach = reach
         overlap_gemms._GroupReduceScatter.finish_parts = real
+        overlap_gemms._send_all_parts, overlap_gemms.ONE_GEMM_FROM_WIDTH = send_all, width
         for block in blocks:
             block.take_input_grad_parts(False)
-    assert handed == [tp] * 4, f"each block's q/k/v and up projections should hand {tp} parts: {handed}"
+    assert handed[:4] == [tp] * 4, f"each block's q/k/v and up projections should hand {tp} parts: {handed}"
     _same(parted, summed, f"blocks handing input gradient parts, tp={tp}")
+    assert len(one_gemm_sends) == 4, f"the q/k/v and up projections' input gradients in one GEMM: {one_gemm_sends}"
+    _same(one_gemm, summed, f"blocks handing input gradient parts computed in one GEMM, tp={tp}")
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -504,6 +513,51 @@ class _OneTensor(_PiecesOnly):
 
     def whole(self):
         return self.full
+
+
+class _CountsPieces(_OneTensor):
+    """_OneTensor that records the pieces asked for."""
+
+    def __init__(self, full, world, rank):
+        super().__init__(full, world, rank)
+        self.asked = []
+
+    def piece(self, r):
+        self.asked.append(r)
+        return super().piece(r)
+
+
+def test_a_row_backward_runs_held_work_first_then_its_input_gradient_in_one_gemm():
+    from tpflash.parallel.held_work import HeldWork
+    torch.manual_seed(0)
+    world, rows = 4, 6
+    grad_y, w, h = torch.randn(world * rows, 5), torch.randn(5, 7), torch.randn(world * rows, 7)
+    order = []
+    held = HeldWork()
+    held.hold(lambda: order.append("held"))
+    gather = _CountsPieces(grad_y, world, rank=1)
+    grad_h = torch.empty(world * rows, 7)
+    real_mm = torch.mm
+    torch.mm = lambda *a, **k: order.append("mm") or real_mm(*a, **k)
+    try:
+        grad_w = overlap_gemms._gather_multiply_both(gather, w, h, grad_h, held)
+    finally:
+        torch.mm = real_mm
+    assert order[:2] == ["held", "mm"] and gather.asked == [], f"held work, then one GEMM: {order}, {gather.asked}"
+    assert_close(grad_h, grad_y @ w, "input gradient")
+    assert_close(grad_w, grad_y.t() @ h, "weight gradient")
+    by_pieces = _CountsPieces(grad_y, world, rank=1)
+    overlap_gemms._gather_multiply_both(by_pieces, w, h, grad_h, HeldWork())  # nothing held
+    assert by_pieces.asked == [1, 2, 3, 0], f"without held work, rank by rank from this rank's: {by_pieces.asked}"
+    assert_close(grad_h, grad_y @ w, "input gradient by pieces")
+
+
+@pytest.mark.parametrize("model, width, tp, one", [
+    ("gpt-2.7b q/k/v", 7680, 2, True), ("gpt-2.7b q/k/v", 7680, 4, True),
+    ("llama-1b q/k/v", 3072, 2, True), ("llama-1b q/k/v", 3072, 4, False)])
+def test_a_column_layers_input_gradient_is_one_gemm_where_its_weight_gradient_outlasts_the_pushes(model, width, tp,
+                                                                                                 one):
+    assert overlap_gemms._one_input_grad_gemm(width // tp, tp) is one, f"{model} at tp={tp}"
 
 
 @pytest.mark.parametrize("gathered_is_grad", [True, False])

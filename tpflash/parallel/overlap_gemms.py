@@ -179,15 +179,21 @@ def _gather_multiply(gather, w: torch.Tensor, b: Optional[torch.Tensor], out: to
 def _gather_multiply_both(gather, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor,
                           held: Optional[HeldWork] = None,
                           main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A row layer's two backward GEMMs over an all-gathered grad_y: grad_h[rows of r] = piece(r) @ w,
-    rank by rank as the pieces arrive, then the fp32 weight gradient grad_y^T h (added into `main_grad`
-    where given, which is then what is returned). The GEMMs `held` back from an earlier layer run
-    after this rank's rows, while the peers' rows travel."""
+    """A row layer's two backward GEMMs over an all-gathered grad_y: grad_h = grad_y @ w, then the fp32
+    weight gradient grad_y^T h (added into `main_grad` where given, which is then what is returned).
+    Where GEMMs are `held` back from an earlier layer, they run first, while the peers' rows travel,
+    and grad_h is one GEMM over every rank's rows (`gather.whole()`); else grad_h is computed rank by
+    rank as the pieces arrive, this rank's rows first (a GEMM per rank's rows runs slower than one
+    over them all: docs/overlap.md, "Costs and limits")."""
+    if held is not None and held.pending:
+        held.run()
+        whole = gather.whole()
+        if whole is not None:
+            torch.mm(whole, w, out=grad_h)
+            return _weight_grad_with_gathered(gather, h, gathered_is_grad=True, main_grad=main_grad)
     m = grad_h.shape[0] // len(gather.order())
-    for i, r in enumerate(gather.order()):
+    for r in gather.order():
         torch.mm(gather.piece(r), w, out=grad_h[r * m:(r + 1) * m])
-        if i == 0 and held is not None:
-            held.run()
     return _weight_grad_with_gathered(gather, h, gathered_is_grad=True, main_grad=main_grad)
 
 
@@ -279,6 +285,32 @@ def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group):
     return pending, a[rank * m:(rank + 1) * m]
 
 
+# The column backward's input gradient is one GEMM, its peers' rows pushed after it, where the weight
+# gradient's GEMM that follows outlasts those pushes: [rows, out] x [rows, in] at ~600 TFLOP/s against
+# (world-1)/world of [rows, in] at ~340 GB/s, i.e. where out * world / (world - 1) is above ~1,800.
+# A GEMM per rank's rows ran 3-17 us slower than one over them all at gpt-2.7b's and llama-1b's
+# tp=2 and tp=4 shapes (docs/overlap.md, "Costs and limits").
+ONE_GEMM_FROM_WIDTH = 2048
+
+
+def _one_input_grad_gemm(out_width: int, world: int) -> bool:
+    """Whether a column layer of `out_width` output features per rank computes its input gradient in one
+    GEMM, its weight gradient's GEMM covering the pushes (ONE_GEMM_FROM_WIDTH)."""
+    return out_width * world >= ONE_GEMM_FROM_WIDTH * (world - 1)
+
+
+def _send_all_parts(a: torch.Tensor, w: torch.Tensor, group):
+    """(pending reduce-scatter of a @ w, this rank's rows of it): a @ w in one GEMM, then every peer's
+    rows pushed, to travel beside what the caller issues next."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    m = a.shape[0] // world
+    product = a @ w  # [world*m, n]
+    pending = _reduce_scatter(group, (m, w.shape[1]), a)
+    for r in _peers_first(rank, world):
+        pending.send(r, product[r * m:(r + 1) * m])
+    return pending, product[rank * m:(rank + 1) * m]
+
+
 def _chunks(m: int, n: int) -> List[slice]:
     """range(m) in n contiguous slices, as even as whole rows allow (none empty)."""
     bounds = [m * i // n for i in range(n + 1)]
@@ -332,9 +364,13 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             grad_y = _rows(grads[0]).contiguous() if n == 1 else concat_rows(grads)  # no copy if already one buffer
         with _no_autocast(x_saved):
             gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False, whole=True)
-            pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
             holding = gather is None and _holds(ctx.held, ctx.param_dtypes[:n])
-            own = own_rows @ w_c if holding else None  # ... this rank's rows are multiplied, where nothing else is
+            own = None  # this rank's part of grad_x, where computed before the weight gradient
+            if ctx.n_ports and gather is None and not holding and _one_input_grad_gemm(w_c.shape[0], world):
+                pending, own = _send_all_parts(grad_y, w_c, ctx.group)  # the parts travel while ...
+            else:
+                pending, own_rows = _send_peer_parts(grad_y, w_c, ctx.group)  # grad_x's parts travel while ...
+                own = own_rows @ w_c if holding else None  # ... this rank's rows are multiplied, where nothing else is
             if gather is None:  # ... the weight gradient is computed (or held for a later layer's waits)
                 grad_w = _weight_grad_now_or_held(ctx.held, grad_y, x_saved, ctx.param_dtypes[:n], ctx.main_grad)
             else:
@@ -346,9 +382,9 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
                 grad_b = [None] * n
             # [s/tp*b, in]: with the weight gradient computed, the parts are here by now
             if ctx.n_ports:  # this rank's part for x_local, the received ones (if unsummed) for the ports
-                parts = pending.finish_parts(own if holding else own_rows @ w_c)
+                parts = pending.finish_parts(own if own is not None else own_rows @ w_c)
             else:
-                parts = [pending.finish(own) if holding else pending.finish_matmul(own_rows, w_c)]
+                parts = [pending.finish(own) if own is not None else pending.finish_matmul(own_rows, w_c)]
             if gather is not None:
                 gather.finish()
         grad_x, *received = (part.view(ctx.local_shape).to(ctx.x_dtype) for part in parts)
