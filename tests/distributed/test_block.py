@@ -241,3 +241,35 @@ def grad_ports_body(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_block_gives_its_norms_gradient_ports_only_where_they_can_add_the_parts(ranks, tp):
     ranks(tp).run(grad_ports_body, tp)
+
+
+def row_grads_body(tp):
+    """norms_write_row_grads has mlp_norm (and, after a block, attn_norm) write its input's gradient where
+    the row layer before it gathers it, only under sequence parallelism with nothing recomputed and
+    no fp8 GEMMs; taken back, nowhere. A block after a block that recomputes its forward, or whose
+    MLP gathers nothing, leaves attn_norm's alone (`output_grad_gathered_in_place`)."""
+    init_tp(tp)
+
+    def writers(after_block=True, **kw):
+        block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, **{"sequence_parallel": True, **GPT2, **kw})
+        block.norms_write_row_grads(True, after_block)
+        given = (block.attn_norm.x_grad_into is not None, block.mlp_norm.x_grad_into is not None)
+        block.norms_write_row_grads(False, after_block)
+        assert (block.attn_norm.x_grad_into, block.mlp_norm.x_grad_into) == (None, None)
+        return given
+    assert writers() == (True, True)
+    assert writers(after_block=False) == (False, True)
+    assert writers(checkpoint="activation") == (True, True)
+    for checkpoint in ("full", "mlp", "selective"):
+        assert writers(checkpoint=checkpoint) == (False, False), checkpoint
+    assert writers(fp8="rowwise") == (False, False)
+    assert writers(sequence_parallel=False) == (False, False)
+    gathered = lambda **kw: ParallelTransformerBlock(  # noqa: E731
+        HIDDEN, HEADS, ffn_hidden=FFN, sequence_parallel=True, **{**GPT2, **kw}).output_grad_gathered_in_place
+    assert gathered() and gathered(checkpoint="activation")
+    assert not gathered(checkpoint="full") and not gathered(fp8="rowwise")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_blocks_norms_write_the_row_layers_output_gradients_only_where_their_gathers_come_next(ranks, tp):
+    ranks(tp).run(row_grads_body, tp)

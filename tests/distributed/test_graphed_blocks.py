@@ -52,6 +52,7 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
     graphed, eager = twins(config(sequence_parallel, activation_checkpointing=checkpointing), device)
     calls = []  # all-gathers through the copy engines (tpflash.parallel.peer_collectives)
     kept = []  # for each gather into a layer's kept buffer: whether this rank's rows were there already
+    in_slot = []  # for each other gather of its parts as one tensor: whether this rank's rows lay in its slot
     real = peer_collectives.PeerAllGather
 
     class Counted(real):
@@ -60,6 +61,8 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
             super().__init__(*args, **kwargs)
             if self.kept is not None:
                 kept.append(self.own_copied is None)
+            elif self.adjacent:
+                in_slot.append(self.own_copied is None)
 
     parted = []  # how many parts each copy-engine reduce-scatter left unsummed for the next norm
     real_parts = peer_collectives.PeerReduceScatter.finish_parts
@@ -93,6 +96,10 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         assert parted.count(tp) == unsummed, f"the captured reduce-scatters handed {parted} parts, not {unsummed} x {tp}"
         # and the norms write their outputs where the q/k/v and up projections keep their gathered inputs
         assert kept and all(kept) == in_place, f"the kept gathers found this rank's rows in place: {kept}"
+        # and, in the backward, their input's gradient where the row layers before them gather it: every
+        # row layer's but the last block's down projection's, whose gradient comes from outside the stack
+        placed = (2 * layers - 1) * in_slot.count(False) if in_place else 0
+        assert in_slot.count(True) == placed, f"the row layers' backward gathers found grad_y in place: {in_slot}"
     if device.type == "cuda" and tp > 1 and sequence_parallel and comm_backend != "nccl":
         # captured collectives, serial or overlapped, go through the copy engines on GPUs with peer
         # access (test machines)

@@ -149,11 +149,35 @@ def test_copy_engine_backend_falls_back_to_the_group_on_cpu(ranks, tp):
 
 
 class _FakeWorkspace:
+    """A workspace's turns, barriers and views, in host memory."""
+
     def __init__(self):
-        self.barriers = 0
+        self.barriers, self.reserved = 0, None
+        self.memory = torch.zeros(4096, dtype=torch.uint8)
 
     def barrier(self):
         self.barriers += 1
+
+    def view(self, rank, offset_bytes, shape, dtype):
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        return self.memory[offset_bytes:offset_bytes + nbytes].view(dtype).view(shape)
+
+
+def test_the_reserved_slot_is_this_ranks_in_the_next_calls_buffer_and_only_its_gather_may_take_it():
+    from tpflash.parallel import peer_workspace
+    ws, world, rank, shape = _FakeWorkspace(), 2, 1, (4, 32)  # 512 bytes: one aligned slot
+    with peer_workspace.graph_epoch():
+        peer_workspace._take_turn(ws)  # buffer 0
+        part = peer_workspace.reserve_next_part(ws, world, rank, shape, torch.float32)
+        assert part.data_ptr() - ws.memory.data_ptr() == (1 * world + rank) * 512, "not this rank's slot of buffer 1"
+        assert peer_workspace._take_turn(ws, part) == (1, True), "the gather of what lies there takes buffer 1"
+        peer_workspace.reserve_next_part(ws, world, rank, shape, torch.float32)
+        with pytest.raises(RuntimeError, match="the next call on the group is another collective"):
+            peer_workspace._take_turn(ws)  # e.g. a reduce-scatter
+        assert ws.reserved is None, "a refused call must not leave the reservation for the one after"
+        peer_workspace.reserve_next_part(ws, world, rank, shape, torch.float32)
+        with pytest.raises(RuntimeError, match="another collective"):
+            peer_workspace._take_turn(ws, torch.zeros(shape))  # an all-gather of another tensor
 
 
 def test_calls_inside_a_graph_epoch_alternate_buffers_per_workspace():

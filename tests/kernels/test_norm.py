@@ -362,3 +362,62 @@ def test_norm_makes_no_zeros_for_an_unused_residual_or_port(backend):
         y.sum().backward()
     assert x.grad is not None
     assert (6, 5, 48) not in fills.shapes and (30, 48) not in fills.shapes, f"zeros made: {fills.shapes}"
+
+
+def _grad_into_check(device, backend, x_dtype, with_residual=True):
+    """With x_grad_into, the backward writes x's gradient into the tensor it gives, and that tensor is x's
+    gradient; every gradient has the bits it has without (a residual of x's dtype or fp32); without a
+    residual it is never asked."""
+    torch.manual_seed(7)
+    shape = (6, 5, 48)
+    x0, r0 = torch.randn(shape, device=device).to(x_dtype), torch.randn(shape, device=device)
+    w0 = 1 + 0.1 * torch.randn(48, device=device)
+    dy = torch.randn(shape, device=device).to(torch.bfloat16)
+    places, seen = [], []  # the tensors given; the data_ptr of the gradient x's producer gets
+
+    def into(shape, dtype, dev):
+        places.append(torch.full(shape, float("nan"), dtype=dtype, device=dev))
+        return places[-1]
+
+    class Producer(torch.autograd.Function):  # what a row layer's backward sees of x's gradient
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(grad.data_ptr())
+            return grad
+
+    def grads(x_grad_into):
+        x_leaf, r, w = (t.clone().requires_grad_() for t in (x0, r0.to(x_dtype) if x_dtype != torch.bfloat16 else r0,
+                                                              w0))
+        with use_backend(backend):
+            y = rms_norm(Producer.apply(x_leaf), w, residual=r if with_residual else None, out_dtype=torch.bfloat16,
+                         x_grad_into=x_grad_into)
+        (y[0] if with_residual else y).backward(dy)
+        return x_leaf.grad, (r.grad if with_residual else None), w.grad
+
+    placed, plain = grads(into), grads(None)
+    if not with_residual:
+        assert not places, "x_grad_into asked without a residual"
+        return
+    assert len(places) == 1 and seen[0] == places[0].data_ptr(), "x's gradient is not the given tensor"
+    for name, a, e in zip(("dx", "dresidual", "dweight"), placed, plain):
+        assert torch.equal(a, e), f"{name} differs when x's gradient is written where x_grad_into says"
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16-x-fp32-residual", "fp32"])
+def test_norm_writes_xs_gradient_where_x_grad_into_says(backend, x_dtype):
+    _grad_into_check("cpu", backend, x_dtype)
+
+
+def test_norm_asks_no_place_for_xs_gradient_without_a_residual():
+    _grad_into_check("cpu", "reference", torch.float32, with_residual=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16-x-fp32-residual", "fp32"])
+def test_norm_writes_xs_gradient_where_x_grad_into_says_on_gpu(x_dtype):
+    _grad_into_check(DEVICE, "triton", x_dtype)

@@ -1,7 +1,7 @@
 """Public LayerNorm / RMSNorm with an optional fused residual add: checks and dispatch."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -50,6 +50,21 @@ class _GradPorts(torch.autograd.Function):
         return _parts_sum([torch.zeros_like(given[0]) if dy is None else dy, *given]), None
 
 
+class _GradInto(torch.autograd.Function):
+    """x, whose gradient the backward writes into `into(shape, dtype, device)` where that gives a tensor
+    (kernels.layer_norm's x_grad_into, here as torch ops)."""
+
+    @staticmethod
+    def forward(ctx, x, into):
+        ctx.into = into
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        place = ctx.into(dx.shape, dx.dtype, dx.device) if dx is not None else None
+        return (dx if place is None else place.copy_(dx)), None
+
+
 def _check_out(out: Optional[torch.Tensor], x: torch.Tensor, y_dtype: torch.dtype) -> None:
     if out is not None and (out.shape != x.shape or out.dtype != y_dtype or out.device != x.device
                             or not out.is_contiguous()):
@@ -57,8 +72,11 @@ def _check_out(out: Optional[torch.Tensor], x: torch.Tensor, y_dtype: torch.dtyp
                          f"y needs a contiguous {tuple(x.shape)} {y_dtype} tensor on {x.device}")
 
 
+GradInto = Callable[[torch.Size, torch.dtype, torch.device], Optional[torch.Tensor]]
+
+
 def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[torch.dtype],
-          out: Optional[torch.Tensor] = None, grad_ports: int = 0):
+          out: Optional[torch.Tensor] = None, grad_ports: int = 0, x_grad_into: Optional[GradInto] = None):
     if not 0 <= grad_ports < MAX_PARTS:
         raise ValueError(f"grad_ports={grad_ports} must be in [0, {MAX_PARTS - 1}] (the backward adds up to "
                          f"{MAX_PARTS} parts of y's gradient)")
@@ -74,9 +92,12 @@ def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[
         from .norm_kernels import triton_norm
         if len(parts) == 1 or (residual is not None and len(parts) <= MAX_PARTS):
             y, new_residual, *ports = triton_norm(x, weight, bias, eps, residual, rms, out_dtype, more=parts[1:],
-                                                  out=out, grad_ports=grad_ports)
+                                                  out=out, grad_ports=grad_ports, x_grad_into=x_grad_into)
             y = (y, *ports) if grad_ports else y
             return y if residual is None else (y, new_residual)
+    if x_grad_into is not None and residual is not None:
+        parts = (_GradInto.apply(parts[0], x_grad_into),) + parts[1:]
+        x = parts[0]
     if len(parts) > 1:  # the sum as the kernel forms it
         x = _parts_sum(parts)
     y = rms_norm_reference(x, weight, eps, residual) if rms else layer_norm_reference(x, weight, bias, eps, residual)
@@ -92,7 +113,7 @@ def _norm(x: Parts, weight, bias, eps, residual, rms: bool, out_dtype: Optional[
 
 def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
                residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-               out: Optional[torch.Tensor] = None, grad_ports: int = 0):
+               out: Optional[torch.Tensor] = None, grad_ports: int = 0, x_grad_into: Optional[GradInto] = None):
     """LayerNorm over the last dim of x [..., n] with fp32 statistics; weight/bias [n].
 
     Returns y (x's dtype, or `out_dtype`: the fp32 result rounded once, as a later cast would), or
@@ -113,15 +134,20 @@ def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = No
     as parts (a reduce-scatter's, unsummed: the overlapped column layer's input gradient inside a
     CUDA graph capture) returns its first part as y's gradient and the others as the ports', and the
     sum is never written on its own. A port whose gradient never comes adds nothing.
+    `x_grad_into` (with a residual; ignored without): a function (shape, dtype, device) -> a contiguous
+    tensor, or None, called in the backward; x's gradient (x's first part's) is written into that
+    tensor, in the pass that computes it, and is that tensor: where x's producer reads it from (a row
+    layer's backward all-gather: tpflash.parallel.overlap_gemms.row_grad_part). None: a tensor of its own.
     """
-    return _norm(x, weight, bias, eps, residual, False, out_dtype, out, grad_ports)
+    return _norm(x, weight, bias, eps, residual, False, out_dtype, out, grad_ports, x_grad_into)
 
 
 def rms_norm(x: Parts, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
-             out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None, grad_ports: int = 0):
+             out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None, grad_ports: int = 0,
+             x_grad_into: Optional[GradInto] = None):
     """RMSNorm x * rsqrt(mean(x^2) + eps) * weight over the last dim, fp32 statistics.
 
-    Same residual, parts, `out_dtype`, `out` and `grad_ports` conventions as `layer_norm`: with
-    `residual`, returns (RMSNorm(x + residual), x + residual).
+    Same residual, parts, `out_dtype`, `out`, `grad_ports` and `x_grad_into` conventions as `layer_norm`:
+    with `residual`, returns (RMSNorm(x + residual), x + residual).
     """
-    return _norm(x, weight, None, eps, residual, True, out_dtype, out, grad_ports)
+    return _norm(x, weight, None, eps, residual, True, out_dtype, out, grad_ports, x_grad_into)

@@ -167,10 +167,11 @@ def _launch_shape(n: int):
 
 
 def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, launch=None, low_dtype=None,
-                   dy_parts=()):
+                   dy_parts=(), low_out=None):
     """(dx [rows, n], dweight, dbias or None, dx_low or None) of the norm of h [rows, n] (contiguous, as
-    are dy/dres). dx_low: dx rounded to `low_dtype` (x's dtype under a residual of another dtype),
-    written in the same pass as dx when `low_dtype` is given. dy_parts: up to MAX_PARTS - 1 more
+    are dy/dres). dx_low: dx rounded to `low_dtype` (x's dtype under a residual of another dtype, or a
+    second copy of dx for x alone), written in the same pass as dx when `low_dtype` is given, into
+    `low_out` (contiguous, rows * n elements) where given. dy_parts: up to MAX_PARTS - 1 more
     [rows, n] tensors whose sum with dy is y's gradient (added in fp32 in order, rounded once to dy's
     dtype, inside the kernel).
 
@@ -186,7 +187,9 @@ def _norm_backward(h, weight, bias, dy, dres, mean, rstd, rms: bool, dx_dtype, l
     launch = dict(rule, **(launch or {}))
     groups = 4 if launch["PER_SM"] is None or h.device.type != "cuda" else launch["PER_SM"] * _sm_count(h.device)
     dx = torch.empty(rows, n, device=h.device, dtype=dx_dtype)
-    dx_low = torch.empty(rows, n, device=h.device, dtype=low_dtype) if low_dtype is not None else None
+    dx_low = None
+    if low_dtype is not None:
+        dx_low = torch.empty(rows, n, device=h.device, dtype=low_dtype) if low_out is None else low_out.view(rows, n)
     per_program = max(1, triton.cdiv(rows, groups))
     programs = max(1, triton.cdiv(rows, per_program))
     # dweight's and dbias's partial sums side by side in one [programs, 1 or 2, n] buffer: one sum over
@@ -209,10 +212,12 @@ class _TritonNorm(torch.autograd.Function):
     """y = norm(x (+ residual)); x's further parts (`more`, with a residual only) are added to x first
     and get no gradient. `grad_ports` more outputs, each shaped like y and holding nothing (a zero-stride
     view), whose gradients the backward adds to y's: a consumer of y that has y's gradient in
-    parts returns its first part as y's gradient and the others as the ports' (kernels.layer_norm)."""
+    parts returns its first part as y's gradient and the others as the ports' (kernels.layer_norm).
+    `x_grad_into` (with a residual): (shape, dtype, device) -> the tensor the backward writes x's
+    gradient into, or None (kernels.layer_norm)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, rms, out_dtype, out, grad_ports, *more):
+    def forward(ctx, x, weight, bias, residual, eps, rms, out_dtype, out, grad_ports, x_grad_into, *more):
         n = x.shape[-1]
         x2 = x.reshape(-1, n).contiguous()
         rows = x2.shape[0]
@@ -229,7 +234,7 @@ class _TritonNorm(torch.autograd.Function):
                                   PARTS=1 + len(parts), num_warps=warps)
         ctx.save_for_backward(res_out if residual is not None else x2, weight, bias, mean, rstd)
         ctx.rms, ctx.has_residual, ctx.x_dtype, ctx.more_parts = rms, residual is not None, x.dtype, len(more)
-        ctx.shape = x.shape
+        ctx.shape, ctx.x_grad_into = x.shape, x_grad_into if residual is not None else None
         # a gradient that never comes stays None: no zeros made for an unused residual or port
         ctx.set_materialize_grads(False)
         res_shaped = res_out.reshape(x.shape) if residual is not None else None
@@ -242,30 +247,35 @@ class _TritonNorm(torch.autograd.Function):
         n = h.shape[1]
         more = (None,) * ctx.more_parts
         if dy is None and dres is None:  # nothing reached y or the new residual
-            return (None,) * (9 + ctx.more_parts)
+            return (None,) * (10 + ctx.more_parts)
         dy = torch.zeros_like(h) if dy is None else dy.reshape(-1, n).contiguous()
         dy_parts = [d.reshape(-1, n).contiguous() for d in dports if d is not None]
         has_dres = ctx.has_residual and dres is not None
         dres = dres.reshape(-1, n).contiguous() if has_dres else None
         # with a residual, dx is the residual's gradient (in its dtype, h's) and x's too: when x's dtype
-        # differs (bf16 branch output, fp32 residual) the kernel also writes it in x's dtype
-        x_low = ctx.has_residual and ctx.x_dtype != h.dtype
+        # differs (bf16 branch output, fp32 residual), or x's gradient has a place of its own
+        # (x_grad_into), the kernel also writes it in x's dtype, there
+        into = ctx.x_grad_into(ctx.shape, ctx.x_dtype, h.device) if ctx.x_grad_into is not None else None
+        x_low = ctx.has_residual and (ctx.x_dtype != h.dtype or into is not None)
         dx, dweight, dbias, dx_low = _norm_backward(h, weight, bias, dy, dres, mean, rstd, ctx.rms,
                                                     h.dtype if ctx.has_residual else ctx.x_dtype,
-                                                    low_dtype=ctx.x_dtype if x_low else None, dy_parts=dy_parts)
+                                                    low_dtype=ctx.x_dtype if x_low else None, dy_parts=dy_parts,
+                                                    low_out=into)
         dx = dx.reshape(ctx.shape)
+        rest = (None,) * 6
         if ctx.has_residual:
-            return (dx_low.reshape(ctx.shape) if x_low else dx, dweight, dbias, dx, None, None, None, None, None) + more
-        return (dx, dweight, dbias, None, None, None, None, None, None) + more
+            return (dx_low.reshape(ctx.shape) if x_low else dx, dweight, dbias, dx) + rest + more
+        return (dx, dweight, dbias, None) + rest + more
 
 
 def triton_norm(x, weight, bias, eps: float, residual, rms: bool, out_dtype=None, more=(), out=None,
-                grad_ports: int = 0):
+                grad_ports: int = 0, x_grad_into=None):
     """(y, new_residual or None, *ports) from the Triton kernels; see tpflash.kernels.layer_norm. `more`:
     x's further parts (with a residual; up to MAX_PARTS in all), added to x first, given no gradient.
     `out`: a contiguous tensor of x's shape and y's dtype that y is written into (y is a view of it).
-    grad_ports (up to MAX_PARTS - 1): outputs whose gradients are further parts of y's (_TritonNorm)."""
+    grad_ports (up to MAX_PARTS - 1): outputs whose gradients are further parts of y's (_TritonNorm).
+    x_grad_into: where x's gradient is written (_TritonNorm)."""
     if more and (residual is None or len(more) >= MAX_PARTS):
         raise ValueError(f"triton_norm: x's further parts need a residual and at most {MAX_PARTS} parts in all "
                          f"(got {1 + len(more)}, residual={'given' if residual is not None else 'None'})")
-    return _TritonNorm.apply(x, weight, bias, residual, eps, rms, out_dtype, out, grad_ports, *more)
+    return _TritonNorm.apply(x, weight, bias, residual, eps, rms, out_dtype, out, grad_ports, x_grad_into, *more)

@@ -13,6 +13,7 @@ GEMM; the norms, dropouts and residual adds run on 1/tp of the tokens. Without i
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ..kernels.norm import MAX_PARTS
 from ..parallel import comm
 from ..parallel.held_work import HeldWork
+from ..parallel.overlap_gemms import row_grad_part
 from ..parallel.random import RNGTracker
 from ..parallel.state import group_rank, group_size, resolve_tp_group, sublayer_group
 from . import weight_casts
@@ -117,6 +119,11 @@ class ParallelTransformerBlock(nn.Module):
         # capture, overlapped), sparing the gather its copy of this rank's rows; where nothing of the
         # forward is recomputed before the backward reads those buffers
         self.norms_write_in_place = checkpoint in (None, "activation")
+        # the next block's attn_norm may write this block's output gradient where the down projection's
+        # backward gathers it (norms_write_row_grads): nothing recomputed in between, no fp8 layer casting
+        # the gradient first, a down projection that gathers it
+        self.output_grad_gathered_in_place = (checkpoint in (None, "activation") and fp8 == "off"
+                                              and not self.mlp.fused_dense)
 
     def hand_output_parts(self, enabled: bool) -> None:
         """Whether forward may return `out` as a tuple of parts whose sum it is (the MLP's reduce-scatter
@@ -138,6 +145,21 @@ class ParallelTransformerBlock(nn.Module):
                 and self.fp8 == "off")
         self.attn_norm.grad_ports = ports if able else 0
         self.mlp_norm.grad_ports = ports if able and not self.mlp.fused_dense else 0
+
+    def norms_write_row_grads(self, enabled: bool, after_block: bool) -> None:
+        """Whether the norms write the gradient of their input, a row layer's output, where that layer's
+        backward all-gathers it (ParallelNorm.x_grad_into: overlap_gemms.row_grad_part, inside a CUDA
+        graph capture over the copy engines), sparing the gather its copy of this rank's rows: mlp_norm
+        for the output projection and, where `after_block` (this block's input is the output of a
+        block whose `output_grad_gathered_in_place`), attn_norm for that block's down projection. Only
+        under sequence parallelism (where a row layer's backward starts with that gather), where
+        nothing is recomputed between the two backwards and no fp8 layer casts the gradient first.
+        GraphedBlocks sets it for its capture."""
+        able = (enabled and self.sequence_parallel and group_size(self.process_group) > 1
+                and self.checkpoint in (None, "activation") and self.fp8 == "off")
+        into = functools.partial(row_grad_part, sublayer_group(self.process_group)) if able else None
+        self.mlp_norm.x_grad_into = into
+        self.attn_norm.x_grad_into = into if after_block else None
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return self.rng_tracker.dropout(x, self.dropout, sharded=self.sequence_parallel, training=self.training)

@@ -173,14 +173,20 @@ class GraphedBlocks:
         adds them at once (a block that recomputes its forward later would read them after the
         buffers they lie in were written again): the stack's own outputs stay whole tensors. And in
         the backward, each block's q/k/v and up projections hand their input gradient's parts to the
-        norm before them, whose kernel adds them (ParallelTransformerBlock.take_input_grad_parts)."""
+        norm before them, whose kernel adds them (ParallelTransformerBlock.take_input_grad_parts), and
+        each norm after a row layer writes that layer's output gradient where its backward gathers it
+        (norms_write_row_grads; the first block's attn_norm follows the embedding, not a row layer)."""
         handing = [b for b, nxt in zip(self.blocks, self.blocks[1:])
                    if hasattr(b, "hand_output_parts") and getattr(nxt, "norm_sums_parts", False)]
         taking = [b for b in self.blocks if hasattr(b, "take_input_grad_parts")]
+        writing = [(b, i > 0 and getattr(self.blocks[i - 1], "output_grad_gathered_in_place", False))
+                   for i, b in enumerate(self.blocks) if hasattr(b, "norms_write_row_grads")]
         for block in handing:
             block.hand_output_parts(True)
         for block in taking:
             block.take_input_grad_parts(True)
+        for block, after_block in writing:
+            block.norms_write_row_grads(True, after_block)
         try:
             yield
         finally:
@@ -188,6 +194,8 @@ class GraphedBlocks:
                 block.hand_output_parts(False)
             for block in taking:
                 block.take_input_grad_parts(False)
+            for block, _ in writing:
+                block.norms_write_row_grads(False, False)
 
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,9 @@ class ParallelNorm(nn.Module):
     `grad_ports` (0 by default; a block sets it for a CUDA graph capture: take_input_grad_parts): y
     comes as a tuple (y, *ports) whose ports' gradients the backward adds to y's (kernels.layer_norm),
     for a column layer that hands back its input gradient as a reduce-scatter's parts, unsummed.
+    `x_grad_into` (None by default; a block sets it for a CUDA graph capture: norms_write_row_grads):
+    with a residual, where the backward writes x's gradient (kernels.layer_norm's x_grad_into), for a
+    row layer before the norm whose backward all-gathers that gradient from there.
     """
 
     def __init__(self, dim: int, kind: str = "layernorm", eps: float = 1e-5, bias: bool = True,
@@ -50,6 +53,7 @@ class ParallelNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
         self.grad_ports = 0
+        self.x_grad_into = None
 
     def _params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight, bias) as the kernel uses them: under SP through one copy_to_tp_region_many, which sums
@@ -74,8 +78,9 @@ class ParallelNorm(nn.Module):
         if self.autocast_output and first.is_floating_point() and torch.is_autocast_enabled(first.device.type):
             out_dtype = torch.get_autocast_dtype(first.device.type)
         if self.kind == "layernorm":
-            return kernels.layer_norm(x, weight, bias, self.eps, residual, out_dtype, out, self.grad_ports)
-        return kernels.rms_norm(x, weight, self.eps, residual, out_dtype, out, self.grad_ports)
+            return kernels.layer_norm(x, weight, bias, self.eps, residual, out_dtype, out, self.grad_ports,
+                                      self.x_grad_into)
+        return kernels.rms_norm(x, weight, self.eps, residual, out_dtype, out, self.grad_ports, self.x_grad_into)
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, kind={self.kind}, eps={self.eps}, bias={self.bias is not None}, "

@@ -39,12 +39,12 @@ import torch.distributed as dist
 
 from ..kernels.sum_parts import sum_parts
 from .peer_workspace import _side_wait, _side_wait_back, _slot_bytes, _take_turn, _workspace, _Workspace
-from .peer_workspace import graph_epoch, kept_buffer
+from .peer_workspace import graph_epoch, kept_buffer, reserve_next_part
 
 __all__ = ["BACKENDS", "PeerAllGather", "PeerReduceScatter", "all_gather", "available", "can_map_peers",
            "capturing_for_graphs", "comm_backend", "for_graph_capture", "graph_epoch", "kept_buffer", "kept_part",
-           "peer_access", "reachable", "reduce_scatter", "reduce_scatter_pieces", "side_stream", "start_reduce_scatter",
-           "use_copy_engine"]
+           "peer_access", "reachable", "reduce_scatter", "reduce_scatter_pieces", "reserve_gather_part", "side_stream",
+           "start_reduce_scatter", "use_copy_engine"]
 
 _ENV = "TPFLASH_COMM_BACKEND"
 BACKENDS = ("auto", "nccl", "copy_engine")
@@ -195,7 +195,7 @@ class PeerAllGather:
                                  f"{self.slot} bytes")
             keep = False
         self.ws = _workspace(group, x.device, 2 * self.world * _slot_bytes(self.x.shape, self.x.dtype))
-        self.buffer, self.in_epoch = _take_turn(self.ws)  # the barrier and signal channels still take turns
+        self.buffer, self.in_epoch = _take_turn(self.ws, self.x)  # the barrier and signal channels still take turns
         self.stream = stream or torch.cuda.current_stream()
         self.out = x.new_empty((self.world * x.shape[0],) + tuple(x.shape[1:])) if keep else None
         # a signal channel per buffer: a call's signals are all taken by its own piece/finish, before
@@ -356,6 +356,16 @@ class PeerReduceScatter:
             self.ws.barrier()  # every rank has summed its slots: the buffers may be written again
         self.sent = []
         return out
+
+
+def reserve_gather_part(group, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Where the next call on group, `PeerAllGather(x, group, whole=True, keep=False)` of an x [shape] of
+    dtype, finds this rank's rows without copying them: this rank's slot of the buffer that call
+    takes, as a [shape] tensor. A producer writes x there; the next call on the group must be that
+    all-gather of it (RuntimeError otherwise, before it moves anything: peer_workspace.reserve_next_part)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    ws = _workspace(group, device, 2 * world * _slot_bytes(shape, dtype))
+    return reserve_next_part(ws, world, rank, shape, dtype)
 
 
 def kept_part(kept: _Workspace, group, shape, dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,7 @@ class _Workspace:
     def __init__(self, group, device: torch.device, nbytes: int):
         from torch.distributed import _symmetric_memory as symm
         self.nbytes = nbytes
+        self.reserved: Optional[int] = None  # data_ptr of the x the next call must gather (reserve_next_part)
         self.tensor = symm.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm.rendezvous(self.tensor, _group_name(group))  # collective: every rank at once
 
@@ -149,9 +150,13 @@ class _Turns:
 
     def take(self, ws: "_Workspace") -> int:
         """The buffer the next call on ws uses."""
-        _, count = self.calls.get(id(ws), (ws, 0))
-        self.calls[id(ws)] = (ws, count + 1)
-        return count % 2
+        buffer = self.peek(ws)
+        self.calls[id(ws)] = (ws, self.calls.get(id(ws), (ws, 0))[1] + 1)
+        return buffer
+
+    def peek(self, ws: "_Workspace") -> int:
+        """The buffer the next call on ws will use, the call not yet counted."""
+        return self.calls.get(id(ws), (ws, 0))[1] % 2
 
     def used(self) -> List["_Workspace"]:
         """The workspaces called on, first use first."""
@@ -176,8 +181,30 @@ def graph_epoch():
         ws.barrier()
 
 
-def _take_turn(ws: "_Workspace") -> Tuple[int, bool]:
-    """(the buffer a call on ws uses, whether its closing barrier is left out: inside a graph_epoch)."""
-    if _epochs:
-        return _epochs[-1].take(ws), True
-    return _eager_turns.take(ws), False
+def _take_turn(ws: "_Workspace", x: Optional[torch.Tensor] = None) -> Tuple[int, bool]:
+    """(the buffer a call on ws uses, whether its closing barrier is left out: inside a graph_epoch).
+    x: what an all-gather sends; where a producer wrote into the slot reserved for the next call
+    (`reserve_next_part`), that call must be the all-gather of what it wrote (RuntimeError otherwise:
+    another call would take the buffer the producer's output lies in)."""
+    reserved, ws.reserved = ws.reserved, None
+    if reserved is not None and (x is None or x.data_ptr() != reserved):
+        raise RuntimeError("a producer wrote its output into this rank's slot for the next all-gather on this "
+                           "group (peer_workspace.reserve_next_part), but the next call on the group is another "
+                           "collective: the calls between a row layer's output gradient and its backward changed")
+    turns = _epochs[-1] if _epochs else _eager_turns
+    return turns.take(ws), bool(_epochs)
+
+
+def reserve_next_part(ws: "_Workspace", world: int, rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's slot [shape] of dtype in the buffer the next call on ws takes, for an all-gather of a
+    [shape] dtype tensor (peer_collectives.PeerAllGather's layout): a producer that writes that
+    tensor there (a norm's backward writing a row layer's output gradient) spares the gather its copy
+    of this rank's rows. Reserved: the next call on ws must gather exactly that tensor (`_take_turn`).
+    The slot is free to write once the work queued so far on this rank's streams is done: inside a
+    graph_epoch its last user was the call two before, whose reads of this rank's slot are this
+    rank's own (peers write only their slots), queued before; outside, every call frees its buffers."""
+    slot = _slot_bytes(shape, dtype)
+    buffer = (_epochs[-1] if _epochs else _eager_turns).peek(ws)
+    part = ws.view(rank, (buffer * world + rank) * slot, shape, dtype)
+    ws.reserved = part.data_ptr()
+    return part
