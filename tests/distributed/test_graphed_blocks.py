@@ -61,7 +61,7 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
             super().__init__(*args, **kwargs)
             if self.kept is not None:
                 kept.append(self.own_copied is None)
-            elif self.adjacent:
+            elif self.adjacent and peer_collectives.capturing_for_graphs():  # the warm-up's and capture's
                 in_slot.append(self.own_copied is None)
 
     parted = []  # how many parts each copy-engine reduce-scatter left unsummed for the next norm
