@@ -301,7 +301,7 @@ def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group):
 # The column backward's input gradient is one GEMM, its peers' rows pushed after it, where the weight
 # gradient's GEMM that follows outlasts those pushes: [rows, out] x [rows, in] at ~600 TFLOP/s against
 # (world-1)/world of [rows, in] at ~340 GB/s, i.e. where out * world / (world - 1) is above ~1,800.
-# A GEMM per rank's rows ran 3-17 us slower than one over them all at gpt-2.7b's and llama-1b's
+# A GEMM per rank's rows ran up to 17 us slower than one over them all at gpt-2.7b's and llama-1b's
 # tp=2 and tp=4 shapes (docs/overlap.md, "Costs and limits").
 ONE_GEMM_FROM_WIDTH = 2048
 
