@@ -61,7 +61,7 @@ class _GradInto(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx):
-        place = ctx.into(dx.shape, dx.dtype, dx.device) if dx is not None else None
+        place = ctx.into(dx.shape, dx.dtype, dx.device) if dx is not None and ctx.needs_input_grad[0] else None
         return (dx if place is None else place.copy_(dx)), None
 
 

@@ -255,7 +255,8 @@ class _TritonNorm(torch.autograd.Function):
         # with a residual, dx is the residual's gradient (in its dtype, h's) and x's too: when x's dtype
         # differs (bf16 branch output, fp32 residual), or x's gradient has a place of its own
         # (x_grad_into), the kernel also writes it in x's dtype, there
-        into = ctx.x_grad_into(ctx.shape, ctx.x_dtype, h.device) if ctx.x_grad_into is not None else None
+        asked = ctx.x_grad_into is not None and ctx.needs_input_grad[0]  # a place only for a gradient that goes on
+        into = ctx.x_grad_into(ctx.shape, ctx.x_dtype, h.device) if asked else None
         x_low = ctx.has_residual and (ctx.x_dtype != h.dtype or into is not None)
         dx, dweight, dbias, dx_low = _norm_backward(h, weight, bias, dy, dres, mean, rstd, ctx.rms,
                                                     h.dtype if ctx.has_residual else ctx.x_dtype,
