@@ -7,23 +7,24 @@ import pytest
 import torch
 
 from tpflash.layers import ParallelTransformerBlock, weight_casts
+from tpflash.layers import block as block_module
 from tpflash.layers.graphed_blocks import GraphedBlocks
 
 BF16 = torch.bfloat16
 
 
-def test_cast_once_gives_each_tensor_and_each_group_stacked():
+def test_a_cast_gives_each_tensor_and_each_group_stacked():
     q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
     b = torch.randn(4)
-    with weight_casts.cast_once([(q, k, v), (b,)], BF16):
-        stacked = weight_casts.stacked_cast([q, k, v], BF16)
-        assert torch.equal(stacked, torch.cat([q, k, v]).to(BF16)) and stacked.shape == (8, 3)
-        for t in (q, k, v, b):
-            view = weight_casts.cached_cast([t], BF16)
-            assert view is not None and torch.equal(view, t.to(BF16))
-        assert weight_casts.cached_cast([q, k], BF16) is None, "only the groups given are stacked"
-        assert weight_casts.cached_cast([q], torch.float16) is None, "another dtype is not cached"
-    assert weight_casts.cached_cast([q], BF16) is None, "nothing is cached after the context"
+    casts = weight_casts.cast_now([(q, k, v), (b,)], BF16)
+    stacked = weight_casts.stacked_cast([q, k, v], BF16, casts)
+    assert torch.equal(stacked, torch.cat([q, k, v]).to(BF16)) and stacked.shape == (8, 3)
+    for t in (q, k, v, b):
+        view = weight_casts.cached_cast([t], BF16, casts)
+        assert view is not None and torch.equal(view, t.to(BF16))
+    assert weight_casts.cached_cast([q, k], BF16, casts) is None, "only the groups given are stacked"
+    assert weight_casts.cached_cast([q], torch.float16, casts) is None, "another dtype is not cached"
+    assert weight_casts.cached_cast([q], BF16, None) is None, "no casts given, none found"
     assert torch.equal(weight_casts.stacked_cast([q, k, v], BF16), torch.cat([q, k, v]).to(BF16))
 
 
@@ -39,21 +40,20 @@ def test_tensors_stacked_in_one_storage_already_are_viewed_not_copied():
 
 def test_an_alias_of_a_cast_tensor_finds_its_cast():
     w = torch.nn.Parameter(torch.randn(3, 5))
-    with weight_casts.cast_once([(w,)], BF16):
-        assert weight_casts.cached_cast([w.view_as(w)], BF16) is not None
+    casts = weight_casts.cast_now([(w,)], BF16)
+    assert weight_casts.cached_cast([w.view_as(w)], BF16, casts) is not None
 
 
 def test_groups_with_none_or_already_in_dtype_are_left_out():
-    w, half = torch.randn(3, 5), torch.randn(3, 5).to(BF16)
-    with weight_casts.cast_once([(w, None), (half,)], BF16):
-        assert weight_casts.cached_cast([w], BF16) is None
-        assert weight_casts.cached_cast([half], BF16) is None
+    w, half, other = torch.randn(3, 5), torch.randn(3, 5).to(BF16), torch.randn(2, 5)
+    casts = weight_casts.cast_now([(w, None), (half,), (other,)], BF16)
+    assert weight_casts.cached_cast([w], BF16, casts) is None
+    assert weight_casts.cached_cast([half], BF16, casts) is None
+    assert weight_casts.cached_cast([other], BF16, casts) is not None, "the castable group still is"
 
 
 def test_no_dtype_means_no_cast():
-    w = torch.randn(3, 5)
-    with weight_casts.cast_once([(w,)], None):
-        assert weight_casts.cached_cast([w], BF16) is None
+    assert weight_casts.cast_now([(torch.randn(3, 5),)], None) is None
 
 
 @contextlib.contextmanager
@@ -61,8 +61,8 @@ def _recording_lookups():
     """(hits, misses): the tensors-lists the layers asked weight_casts for, by outcome."""
     hits, misses, real = [], [], weight_casts.cached_cast
 
-    def recording(tensors, dtype):
-        found = real(tensors, dtype)
+    def recording(tensors, dtype, casts):
+        found = real(tensors, dtype, casts)
         (hits if found is not None else misses).append([tuple(t.shape) for t in tensors])
         return found
     weight_casts.cached_cast = recording
@@ -96,7 +96,7 @@ def test_a_block_computes_the_same_with_and_without_the_one_cast(family, monkeyp
     results = []
     for one_cast in (True, False):
         if not one_cast:
-            monkeypatch.setattr(weight_casts, "cast_once", lambda groups, dtype: contextlib.nullcontext())
+            monkeypatch.setattr(block_module, "cast_now", lambda groups, dtype: None)
         block, xi = _block(family), x.clone().requires_grad_(True)
         with torch.autocast("cpu", dtype=BF16):
             out, residual = block(xi)
@@ -127,11 +127,9 @@ def test_a_prepared_cast_is_found_before_it_is_filled_and_filled_once(monkeypatc
     copies = []
     real = torch._foreach_copy_
     monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: copies.append(len(src)) or real(dst, src))
-    with weight_casts.open_casts([cast, None], BF16):
-        view = weight_casts.cached_cast([w], BF16)
-        assert view is not None and copies == [], "the views exist before any copy is issued"
-        cast.fill()
-        cast.fill()
-        assert copies == [2], f"copies issued: {copies}"
-        assert torch.equal(view, w.to(BF16)) and torch.equal(weight_casts.cached_cast([b], BF16), b.to(BF16))
-    assert weight_casts.cached_cast([w], BF16) is None
+    view = weight_casts.cached_cast([w], BF16, cast)
+    assert view is not None and copies == [], "the views exist before any copy is issued"
+    cast.fill()
+    cast.fill()
+    assert copies == [2], f"copies issued: {copies}"
+    assert torch.equal(view, w.to(BF16)) and torch.equal(weight_casts.cached_cast([b], BF16, cast), b.to(BF16))

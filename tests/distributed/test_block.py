@@ -53,7 +53,7 @@ def test_block_matches_reference(ranks, tp, family, sequence_parallel):
 
 def one_all_reduce_body(tp, family):
     """Under SP a block's partial gradients (norms, row biases, replicated k/v) are summed in one
-    all-reduce for the whole block (comm.tp_grad_bucket), not one per norm and bias."""
+    all-reduce for the whole block (comm.tp_grad_aliases), not one per norm and bias."""
     init_tp(tp)
     kw = GPT2 if family == "gpt2" else dict(LLAMA, n_kv_head=1)  # llama: k/v replicated over tp
     torch.manual_seed(0)
@@ -83,13 +83,17 @@ def test_a_block_sums_its_partial_gradients_in_one_all_reduce(ranks, tp, family)
 
 def cast_lookups_body(tp):
     """Under autocast with SP, every weight cast the block's layers ask for comes from the block's one
-    multi-tensor cast (weight_casts.cast_once), the row biases' tp_grad_bucket aliases included."""
+    multi-tensor cast (its BlockWeights' casts), the row biases' tp-gradient aliases included."""
     init_tp(tp)
     torch.manual_seed(0)
     block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, sequence_parallel=True, **GPT2)
     misses, real = [], weight_casts.cached_cast
-    weight_casts.cached_cast = lambda ts, dtype: real(ts, dtype) if real(ts, dtype) is not None else misses.append(
-        [tuple(t.shape) for t in ts])
+    def recording(ts, dtype, casts):
+        found = real(ts, dtype, casts)
+        if found is None:
+            misses.append([tuple(t.shape) for t in ts])
+        return found
+    weight_casts.cached_cast = recording
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out, residual = block(torch.randn(8 // tp, 2, HIDDEN))

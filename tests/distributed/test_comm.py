@@ -147,53 +147,29 @@ def _counting_all_reduces():
         comm.all_reduce = real_all_reduce
 
 
-def grad_bucket_body(tp):
-    """Inside tp_grad_bucket, every use of a held tensor (through copy_to_tp_region or _many) takes the
-    bucket's alias: each gradient is still summed over ranks, by one all-reduce per dtype when the
-    whole backward is done, however many uses there were."""
+def grad_aliases_body(tp):
+    """tp_grad_aliases: every use of an alias takes the gradient into the one all-reduce per dtype that
+    runs when the whole backward is done, however many uses there were; each gradient is still the
+    sum over ranks."""
     ps = init_tp(tp)
     w, ws = _per_rank(ps, torch.float32, 5, 3)
     b, bs = _per_rank(ps, torch.float32, 3)
     d, ds = _per_rank(ps, torch.float64, 4)
     with _counting_all_reduces() as calls:
-        with comm.tp_grad_bucket([w, b, d], ps.tp_group):
-            w1 = comm.copy_to_tp_region(w, ps.tp_group)
-            w2, b2 = comm.copy_to_tp_region_many([w, b], ps.tp_group)
-            loss = (w1 * w2).sum() + (w2 @ b2).sum() + comm.copy_to_tp_region(d, ps.tp_group).pow(2).sum()
+        aliases = comm.tp_grad_aliases([w, b, d], ps.tp_group)
+        w1, w2, b2, d2 = aliases[id(w)], aliases[id(w)], aliases[id(b)], aliases[id(d)]
+        loss = (w1 * w2).sum() + (w2 @ b2).sum() + d2.pow(2).sum()
         loss.backward()
     assert sorted(calls) == [(4,), (5 * 3 + 3,)], f"expected one all-reduce per dtype, got {calls}"
     # per-rank gradient of the loss above, summed over ranks
     assert_close(w.grad, sum(2 * wr + br.expand(5, 3) for wr, br in zip(ws, bs)), "twice-used tensor")
-    assert_close(b.grad, sum(wr.sum(0) for wr in ws), "tensor used through copy_to_tp_region_many")
+    assert_close(b.grad, sum(wr.sum(0) for wr in ws), "tensor used once")
     assert_close(d.grad, sum(2 * dr for dr in ds), "float64 tensor (its own all-reduce)")
 
 
-def nested_grad_buckets_body(tp):
-    """A tensor already in an enclosing bucket stays there; only the inner bucket's new tensors get
-    the inner bucket's all-reduce. After the bucket closes, copy_to_tp_region reduces on its own."""
-    ps = init_tp(tp)
-    w, ws = _per_rank(ps, torch.float32, 6)
-    c, cs = _per_rank(ps, torch.float32, 2)
-    with _counting_all_reduces() as calls:
-        with comm.tp_grad_bucket([w], ps.tp_group):
-            with comm.tp_grad_bucket([w, c], ps.tp_group):
-                loss = comm.copy_to_tp_region(w, ps.tp_group).sum() * comm.copy_to_tp_region(c, ps.tp_group).sum()
-        loss.backward()
-    assert sorted(calls) == [(2,), (6,)], f"expected the outer bucket to keep w, got {calls}"
-    assert_close(w.grad, sum(cr.sum().expand(6) for cr in cs), "outer bucket's tensor")
-    assert_close(c.grad, sum(wr.sum().expand(2) for wr in ws), "inner bucket's tensor")
-    with _counting_all_reduces() as calls:
-        comm.copy_to_tp_region(w, ps.tp_group).sum().backward()
-    assert calls == [(6,)], "outside the buckets, copy_to_tp_region reduces by itself"
-
-
 @pytest.mark.parametrize("tp", [2, 4])
-def test_a_grad_bucket_sums_every_held_gradient_in_one_all_reduce_per_dtype(ranks, tp):
-    ranks(tp).run(grad_bucket_body, tp)
-
-
-def test_nested_grad_buckets_reduce_each_tensor_once(ranks):
-    ranks(2).run(nested_grad_buckets_body, 2)
+def test_grad_aliases_sum_every_gradient_in_one_all_reduce_per_dtype(ranks, tp):
+    ranks(tp).run(grad_aliases_body, tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

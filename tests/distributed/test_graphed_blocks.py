@@ -233,7 +233,7 @@ def out_of_order_body(tp):
 
 def one_all_reduce_body(tp):
     """The graphed stack's backward sums every block's partial gradients in ONE all-reduce (one
-    tp_grad_bucket around the stack) instead of one per block."""
+    set of tp-gradient aliases for the stack: comm.tp_grad_aliases) instead of one per block."""
     ps = init_tp(tp)
     model = twins(config(True), ps.device)[0]
     model.capture_cuda_graphs(BATCH, SEQ)

@@ -18,12 +18,12 @@ import torch
 import torch.nn as nn
 
 from .. import kernels
-from ..parallel import comm
 from ..parallel.context_attention import CP_COMMS, context_parallel_attention
 from ..parallel.sharding import ShardSpec
 from ..parallel.state import group_rank, group_size, resolve_cp_group, resolve_tp_group, sublayer_group
 from ..parallel.zigzag import zigzag_positions
 from .autocast_linear import linear
+from .block_weights import BlockWeights
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe
 from .linear import (ColumnParallelLinear, InitMethod, RowParallelLinear, column_input_part, column_parallel_linears,
                      init_linear_full)
@@ -69,6 +69,7 @@ class KVLinear(nn.Module):
                 b = self.tp_shard_specs["bias"].shard(b, rank, tp)
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(b) if bias else None
+        self.block_weights = BlockWeights()  # its block's, once in one: the replicated weights' aliases
 
     def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
         """The parameters whose gradient each tp rank holds only a part of: replicated weight and bias."""
@@ -76,15 +77,12 @@ class KVLinear(nn.Module):
 
     def local_weight_and_bias(self):
         """The [local_kv_heads*head_dim, hidden] weight (and bias) this rank multiplies by; replicated
-        weights pass through copy_to_tp_region so their gradient is summed over the replicas."""
-        weight, bias = self.weight, self.bias
-        if self.replicated:
-            if bias is None:
-                weight = comm.copy_to_tp_region(weight, self.process_group)[self.rows]
-            else:
-                weight, bias = comm.copy_to_tp_region_many([weight, bias], self.process_group)
-                weight, bias = weight[self.rows], bias[self.rows]
-        return weight, bias
+        weights go through copy_to_tp_region (or their block's alias) so their gradient is summed over
+        the replicas."""
+        if not self.replicated:
+            return self.weight, self.bias
+        weight, bias = self.block_weights.summed_over_tp([self.weight, self.bias], self.process_group)
+        return weight[self.rows], None if bias is None else bias[self.rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: the already gathered/copied column input (see `column_parallel_linears`)."""
@@ -110,6 +108,7 @@ class ParallelAttention(nn.Module):
     Parameters: q_proj, k_proj, v_proj, o_proj (nn.Linear layouts; keys as a plain module's), and
     q_norm.weight / k_norm.weight ([head_dim], replicated) with qk_norm.
     `out_init_method` initialises o_proj (e.g. GPT-2's 1/sqrt(2*n_layer) scaled init).
+    `block_weights`: its block's (tpflash.layers.block_weights), for the q/k/v weights' casts.
     """
 
     def __init__(self, hidden: int, n_head: int, n_kv_head: Optional[int] = None, bias: bool = True,
@@ -151,6 +150,7 @@ class ParallelAttention(nn.Module):
         if qk_norm:
             norm_kw = dict(eps=norm_eps, process_group=sublayer_group(self.process_group), device=device, dtype=dtype)
             self.q_norm, self.k_norm = HeadNorm(self.head_dim, **norm_kw), HeadNorm(self.head_dim, **norm_kw)
+        self.block_weights = BlockWeights()  # its block's, once in one
         self.rotary = None
         if position == "rotary":
             self.rotary = RotaryEmbedding(self.head_dim, rope_theta, rope_scaling, max_positions)
@@ -163,7 +163,7 @@ class ParallelAttention(nn.Module):
         return [(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), (self.o_proj.weight,)]
 
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
-        """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once).
+        """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.prepare_cast).
         (q_norm/k_norm weights are not cast: the norm kernel reads them in fp32, like the block norms'.)
         None under fp8: its GEMMs cast the weights to fp8 themselves."""
         if self.fp8 != "off":
@@ -185,7 +185,8 @@ class ParallelAttention(nn.Module):
         (k_w, k_b), (v_w, v_b) = self.k_proj.local_weight_and_bias(), self.v_proj.local_weight_and_bias()
         q, k, v = column_parallel_linears(x, [self.q_proj.weight, k_w, v_w], [self.q_proj.bias, k_b, v_b],
                                           self.process_group, self.sequence_parallel, self.q_proj.overlap,
-                                          fp8=self.fp8, fp8_amaxes=Fp8Amaxes(history=self.fp8_history))  # [seq, b, heads*hd]
+                                          fp8=self.fp8, fp8_amaxes=Fp8Amaxes(history=self.fp8_history),
+                                          casts=self.block_weights.casts)  # [seq, b, heads*hd]
         seq, batch = q.shape[0], q.shape[1]
         q = q.view(seq, batch, self.local_heads, self.head_dim)
         k = k.view(seq, batch, self.local_kv_heads, self.head_dim)

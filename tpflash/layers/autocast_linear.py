@@ -9,7 +9,9 @@ them up to that one rounding. Layers call `linear`, which is F.linear outside au
 
 `linears` does the same for several weights that share one input (q/k/v, up/gate) as one GEMM per
 direction over the weights stacked into one buffer (the cast to bf16 writes them there, so the
-stacking costs no extra pass under autocast). `add_bias` adds a bias after a reduction without
+stacking costs no extra pass under autocast). `casts` (every function's optional last argument): a
+block's weight casts for this forward (tpflash.layers.weight_casts.PendingCast), whose views the GEMMs
+multiply instead of casting the weights themselves. `add_bias` adds a bias after a reduction without
 promoting a bf16 activation to fp32.
 """
 from __future__ import annotations
@@ -24,24 +26,25 @@ from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
 from .fp8_linear import Fp8Amaxes, fp8_linears
 from .main_grads import main_grad_of
-from .weight_casts import stacked_cast
+from .weight_casts import PendingCast, stacked_cast
 
 
 class _StackedLinear(torch.autograd.Function):
     """[x W_i^T + b_i] for n weights sharing the input x, as ONE GEMM per direction over the weights
     stacked by rows, in `dtype`: x [*, in], W_i [out_i, in] -> (y_1 [*, out_1], ..., y_n) (views of
     one [*, sum out_i] product). Weight and bias gradients come out in fp32 (then the parameters'
-    dtype), the input gradient in x's dtype. Biases: all present or all None."""
+    dtype), the input gradient in x's dtype. Biases: all present or all None. casts: a block's
+    PendingCast, or None."""
 
     @staticmethod
-    def forward(ctx, x, dtype, n, *params):
+    def forward(ctx, x, dtype, casts, n, *params):
         weights, biases = params[:n], params[n:]
         ctx.x_dtype, ctx.sizes = x.dtype, [w.shape[0] for w in weights]
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.main_grad = main_grad_of(weights)  # where the weight gradient is added (tpflash.layers.main_grads)
         with torch.autocast(x.device.type, enabled=False):
-            x_c, w_c = x.to(dtype), stacked_cast(weights, dtype)  # w_c [sum out, in]
-            b_c = None if biases[0] is None else stacked_cast(biases, dtype)
+            x_c, w_c = x.to(dtype), stacked_cast(weights, dtype, casts)  # w_c [sum out, in]
+            b_c = None if biases[0] is None else stacked_cast(biases, dtype, casts)
             y = F.linear(x_c, w_c, b_c)  # [*, sum out]
         ctx.save_for_backward(x_c, w_c)
         return tuple(y.split(ctx.sizes, dim=-1))
@@ -53,7 +56,7 @@ class _StackedLinear(torch.autograd.Function):
                    else g.to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]
         n = len(ctx.sizes)
         bias_sums = None
-        if n > 1 and ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:]):
+        if n > 1 and ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[4 + n:]):
             rows, bias_sums = concat_with_column_sum(grad_ys)  # [tokens, sum out] and its column sums, one pass
             grad_y = rows.view(x_c.shape[:-1] + (rows.shape[-1],))
         else:  # no copy where the gradients are one buffer's blocks already (swiglu's backward)
@@ -62,7 +65,7 @@ class _StackedLinear(torch.autograd.Function):
         grad_x, grads = None, [None] * (2 * n)
         if ctx.needs_input_grad[0]:
             grad_x = (grad_y @ w_c).to(ctx.x_dtype)  # [*, in]
-        if any(ctx.needs_input_grad[3:3 + n]):
+        if any(ctx.needs_input_grad[4:4 + n]):
             x2d = x_c.reshape(-1, x_c.shape[-1])
             if ctx.main_grad is not None:  # added into the weights' main_grad; none returned
                 weight_grad_fp32(rows, x2d, into=ctx.main_grad)
@@ -70,10 +73,10 @@ class _StackedLinear(torch.autograd.Function):
                 grads[:n] = torch.mm(rows.t(), x2d).split(ctx.sizes)  # fp32 accumulation, rounded once, as the cast
             else:
                 grads[:n] = weight_grad_fp32(rows, x2d).split(ctx.sizes)
-        if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[3 + n:]):
+        if ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[4 + n:]):
             grads[n:] = (column_sum(rows) if bias_sums is None else bias_sums).split(ctx.sizes)
         grads = [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.param_dtypes)]
-        return (grad_x, None, None, *grads)
+        return (grad_x, None, None, None, *grads)
 
 
 def _compute_dtype(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
@@ -87,7 +90,8 @@ def _compute_dtype(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Optional
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           fp8: str = "off", fp8_amaxes: Optional[Fp8Amaxes] = None) -> torch.Tensor:
+           fp8: str = "off", fp8_amaxes: Optional[Fp8Amaxes] = None,
+           casts: Optional[PendingCast] = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x [*, in], weight [out, in] -> [*, out]. Under autocast with fp32
     weights that need gradients, the GEMMs run in the autocast dtype as F.linear's would, and the
     weight and bias gradients come out in fp32 without a separate cast (module docstring).
@@ -99,14 +103,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if dtype is None and main_grad_of([weight]) is None:
         return F.linear(x, weight, bias)
     # also outside autocast where the weight has a main_grad: its gradient GEMM adds into it
-    return _StackedLinear.apply(x, dtype or x.dtype, 1, weight, bias)[0]
+    return _StackedLinear.apply(x, dtype or x.dtype, casts, 1, weight, bias)[0]
 
 
 def linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
-            fp8: str = "off", fp8_amaxes: Optional[Fp8Amaxes] = None) -> List[torch.Tensor]:
+            fp8: str = "off", fp8_amaxes: Optional[Fp8Amaxes] = None,
+            casts: Optional[PendingCast] = None) -> List[torch.Tensor]:
     """[F.linear(x, W_i, b_i)] for weights sharing the input x (q/k/v, up/gate): x [*, in],
     W_i [out_i, in] -> [*, out_i] each. While gradients are on, the weights are stacked (cast into
-    one buffer; inside `weight_casts.cast_once`, a view of its buffer) and multiplied in one GEMM
+    one buffer; where `casts` holds them, a view of its buffer) and multiplied in one GEMM
     per direction: one wider GEMM runs closer to peak than n narrow ones, and x's gradient comes
     out of one GEMM instead of n GEMMs and n-1 additions.
     Without gradients (inference) the n GEMMs run as they are, and no weights are copied.
@@ -119,31 +124,31 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[O
             raise ValueError(f"linears: weight {i} has shape {tuple(w.shape)}, but the input's last dim is "
                              f"{x.shape[-1]}: every weight must be [out_i, {x.shape[-1]}]")
     if len(weights) == 1:
-        return [linear(x, weights[0], biases[0], fp8, fp8_amaxes)]
+        return [linear(x, weights[0], biases[0], fp8, fp8_amaxes, casts)]
     some_biases = any(b is not None for b in biases) and not all(b is not None for b in biases)
     if not torch.is_grad_enabled() or some_biases:
-        return [linear(x, w, b, fp8, fp8_amaxes) for w, b in zip(weights, biases)]
+        return [linear(x, w, b, fp8, fp8_amaxes, casts) for w, b in zip(weights, biases)]
     if fp8 != "off":
         return fp8_linears(x, weights, biases, fp8, amaxes=fp8_amaxes)
     dtype = _compute_dtype(x, weights) or x.dtype
-    return list(_StackedLinear.apply(x, dtype, len(weights), *weights, *biases))
+    return list(_StackedLinear.apply(x, dtype, casts, len(weights), *weights, *biases))
 
 
 class _AddBias(torch.autograd.Function):
     """y + bias in y's dtype; the bias gradient summed over all rows in fp32, in the bias's dtype."""
 
     @staticmethod
-    def forward(ctx, y, bias):
+    def forward(ctx, y, bias, casts):
         ctx.bias_dtype = bias.dtype
-        return y + stacked_cast([bias], y.dtype)
+        return y + stacked_cast([bias], y.dtype, casts)
 
     @staticmethod
     def backward(ctx, grad):
         grad_bias = column_sum(grad.reshape(-1, grad.shape[-1])).to(ctx.bias_dtype)
-        return grad, grad_bias
+        return grad, grad_bias, None
 
 
-def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor], casts: Optional[PendingCast] = None) -> torch.Tensor:
     """y [*, out] + bias [out], keeping y's dtype: under autocast a bf16 GEMM output plus an fp32 bias
     stays bf16 (as F.linear's bias epilogue would give) instead of promoting the activation to fp32,
     which would double the bytes of this pass and of everything downstream of it. The bias gradient
@@ -152,5 +157,5 @@ def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return y
     if bias.dtype == y.dtype or not (y.is_floating_point() and torch.is_grad_enabled() and bias.requires_grad):
         return y + bias.to(y.dtype)
-    return _AddBias.apply(y, bias)
+    return _AddBias.apply(y, bias, casts)
 

@@ -21,17 +21,18 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..kernels.norm import MAX_PARTS
-from ..parallel import comm
+from ..parallel.comm import tp_grad_aliases
 from ..parallel.held_work import HeldWork
 from ..parallel.overlap_gemms import row_grad_part
 from ..parallel.random import RNGTracker
 from ..parallel.state import group_rank, group_size, resolve_tp_group, sublayer_group
-from . import weight_casts
 from .attention import ParallelAttention
+from .block_weights import BlockWeights
 from .fp8_linear import TENSOR_SCALED
 from .linear import InitMethod
 from .mlp import ParallelMLP
 from .norm import ParallelNorm
+from .weight_casts import cast_now, compute_dtype
 
 CHECKPOINTING = (None, "activation", "full", "mlp", "selective")
 
@@ -69,6 +70,9 @@ class ParallelTransformerBlock(nn.Module):
     activations, rotary; dropout 0). `held_work`: work held for the output projection's waits
     where a CUDA graph capture hands it over (GraphedBlocks; tpflash.parallel.held_work): the next
     block's weight casts in the forward, the MLP's up-projection weight-gradient GEMM in the backward.
+    `block_weights` (tpflash.layers.block_weights): what its layers take in place of their parameters
+    in a forward, the weights cast once and one alias per partial-gradient parameter; forward fills
+    it, unless GraphedBlocks has for its capture.
     Attention options (head_dim, qkv_bias, qk_norm, rope_scaling, max_positions, and context parallelism's
     cp_group and cp_comm) are ParallelAttention's; fp8 (the projections' GEMMs) goes to attention and MLP;
     forward's keyword arguments (position_ids, cu_seqlens, max_seqlen: packed documents) go to it.
@@ -108,6 +112,12 @@ class ParallelTransformerBlock(nn.Module):
                                       cp_comm=cp_comm, **layer_kw)
         self.mlp_norm = ParallelNorm(hidden, **norm_kw)
         self.mlp = ParallelMLP(hidden, ffn_hidden, mlp=mlp, recompute_activation=checkpoint == "activation", **layer_kw)
+        # what the layers take in place of their parameters in a forward: one cast of the weights, one
+        # all-reduce for the partial gradients (tpflash.layers.block_weights)
+        self.block_weights = BlockWeights()
+        for layer in self.modules():
+            if isinstance(getattr(layer, "block_weights", None), BlockWeights):
+                layer.block_weights = self.block_weights
         # work the output projection runs while its transfers travel (tpflash.parallel.held_work)
         self.held_work = HeldWork()
         self.mlp.held_work = self.attn.o_proj.held_work = self.held_work
@@ -173,7 +183,7 @@ class ParallelTransformerBlock(nn.Module):
     def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
         """The parameters whose gradient each tp rank holds only a part of (under SP the norms' weights
         and biases and the row layers' biases; replicated k/v projections): the block sums all of
-        them over tp in one all-reduce at the end of its backward (comm.tp_grad_bucket)."""
+        them over tp in one all-reduce at the end of its backward (comm.tp_grad_aliases)."""
         if group_size(self.process_group) == 1:  # nothing is partial; and eager forwards ask every step
             return []
         return [p for m in self.modules() if m is not self and hasattr(m, "tp_partial_grad_parameters")
@@ -212,10 +222,13 @@ class ParallelTransformerBlock(nn.Module):
                  **attn_kw) -> Tuple[torch.Tensor, torch.Tensor]:
         # One all-reduce for the block's partial gradients instead of one per norm and row bias (at tp=2
         # each cost ~30 us of a serial chain), and one multi-tensor cast of its weights instead of ~10
-        # cast kernels (docs/architecture.md, "Layers and data flow"). Outer scopes (GraphedBlocks) take precedence.
+        # cast kernels (docs/architecture.md, "Layers and data flow"), unless GraphedBlocks gave them.
         first = x[0] if isinstance(x, tuple) else x  # x may be parts (hand_output_parts)
-        with comm.tp_grad_bucket(self.tp_partial_grad_parameters(), self.process_group), \
-                weight_casts.cast_once(self.weight_cast_groups(), weight_casts.compute_dtype(first)):
+        given = self.block_weights
+        casts = None if given.casts is not None else cast_now(self.weight_cast_groups(), compute_dtype(first))
+        aliases = None if given.aliases is not None else tp_grad_aliases(self.tp_partial_grad_parameters(),
+                                                                           self.process_group)
+        with given.use(casts, aliases):
             into = self.attn.input_part(first) if self.norms_write_in_place else None
             if residual is None:
                 h, residual = self.attn_norm(x, out=into), x

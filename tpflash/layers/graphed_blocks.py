@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -110,7 +110,7 @@ class GraphedBlocks:
         self.blocks = list(blocks)
         self.dp_sync = dp_sync
         # selective recomputation replays each op of a block's forward and must meet the same ones in its
-        # backward, where no stack-wide cast or gradient bucket is open: each block keeps its own then
+        # backward, where the stack's casts and gradient aliases are not given: each block makes its own then
         self.stack_scopes = not any(getattr(b, "checkpoint", None) == "selective" for b in self.blocks)
         device = sample_x.device
         # the gradients dp_sync's hooks write in place inside the backward graph: not returned
@@ -200,39 +200,37 @@ class GraphedBlocks:
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         residual = None
+        aliases = self._stack_grad_aliases()
         if self.dp_sync is None:
             hoisted = self.hoisted_casts is not None  # filled before the replay (_refresh_casts)
             casts = self.hoisted_casts if hoisted else self._pending_casts(x)
-            with self._one_grad_bucket(), weight_casts.open_casts(casts, weight_casts.compute_dtype(x)):
-                for i, block in enumerate(self.blocks):
-                    if casts[i] is not None and not hoisted:
-                        casts[i].fill()  # a no-op where the previous block's output projection issued it
-                    held = getattr(block, "held_work", None)
-                    if held is not None and i + 1 < len(casts) and casts[i + 1] is not None and not hoisted:
-                        held.hold(casts[i + 1].fill)  # the next block's casts, in this block's waits
-                    x, residual = block(x, residual)
-                    if held is not None:
-                        held.run()  # what its output projection did not run (off the overlapped path)
-            return x, residual
-        with self._one_grad_bucket():  # each block waits for its weights' all-gather, then casts them
-            cast = getattr(self.dp_sync, "cast_weights", True)
             for i, block in enumerate(self.blocks):
-                self.dp_sync.before_block(i)
-                with self._weight_cast([block], x) if cast else contextlib.nullcontext():
+                if casts[i] is not None and not hoisted:
+                    casts[i].fill()  # a no-op where the previous block's output projection issued it
+                held = getattr(block, "held_work", None)
+                if held is not None and i + 1 < len(casts) and casts[i + 1] is not None and not hoisted:
+                    held.hold(casts[i + 1].fill)  # the next block's casts, in this block's waits
+                with _giving(block, casts[i], aliases):
                     x, residual = block(x, residual)
+                if held is not None:
+                    held.run()  # what its output projection did not run (off the overlapped path)
+            return x, residual
+        for i, block in enumerate(self.blocks):  # each block waits for its weights' all-gather, then casts them
+            self.dp_sync.before_block(i)
+            with _giving(block, None, aliases):
+                x, residual = block(x, residual)
         self.dp_sync.after_blocks()  # and the head, run eagerly after the replay, for its weights'
         return x, residual
 
-    def _one_grad_bucket(self):
-        """One comm.tp_grad_bucket for every block's partial-gradient parameters when the blocks share
+    def _stack_grad_aliases(self) -> Optional[Dict[int, torch.Tensor]]:
+        """One comm.tp_grad_aliases for every block's partial-gradient parameters when the blocks share
         one tp group: the captured backward then sums them all in one all-reduce, at its end, rather
-        than one per block (the blocks' own buckets find their parameters already held)."""
+        than one per block. None where each block makes its own."""
         groups = {id(getattr(b, "process_group", None)) for b in self.blocks}
-        if (not self.stack_scopes or len(groups) != 1
-                or not all(hasattr(b, "tp_partial_grad_parameters") for b in self.blocks)):
-            return contextlib.nullcontext()
+        if not self.stack_scopes or len(groups) != 1 or not all(hasattr(b, "block_weights") for b in self.blocks):
+            return None
         params = [p for b in self.blocks for p in b.tp_partial_grad_parameters()]
-        return comm.tp_grad_bucket(params, self.blocks[0].process_group)
+        return comm.tp_grad_aliases(params, self.blocks[0].process_group)
 
     def _pending_casts(self, x: torch.Tensor) -> List[Optional[weight_casts.PendingCast]]:
         """Each block's weight casts (weight_casts.prepare_cast: a few multi-tensor copy kernels instead of
@@ -241,7 +239,7 @@ class GraphedBlocks:
         projection's forward, beside its reduce-scatter's last transfers (tpflash.parallel.held_work),
         rather than all at the start of the stack."""
         dtype = weight_casts.compute_dtype(x)
-        if not self.stack_scopes or dtype is None or not all(hasattr(b, "weight_cast_groups") for b in self.blocks):
+        if not self.stack_scopes or dtype is None or not all(hasattr(b, "block_weights") for b in self.blocks):
             return [None] * len(self.blocks)
         return [weight_casts.prepare_cast(b.weight_cast_groups(), dtype) for b in self.blocks]
 
@@ -267,14 +265,6 @@ class GraphedBlocks:
 
     def _main_grads_open(self):
         return self.main_grads.open() if self.main_grads is not None else contextlib.nullcontext()
-
-    def _weight_cast(self, blocks: Sequence[nn.Module], x: torch.Tensor):
-        """One weight_casts.cast_once for `blocks`' weights (a block's, once dp_sync has gathered them): a
-        few multi-tensor copy kernels instead of one small cast kernel per weight."""
-        if not self.stack_scopes or not all(hasattr(b, "weight_cast_groups") for b in blocks):
-            return contextlib.nullcontext()
-        groups = [g for b in blocks for g in b.weight_cast_groups()]
-        return weight_casts.cast_once(groups, weight_casts.compute_dtype(x))
 
     def _forward(self) -> None:
         with self._main_grads_open():  # the layers take their weights' main_grad here (forward)
@@ -389,6 +379,14 @@ class GraphedBlocks:
         for p, g, returned in zip(self.params, self.input_grads[1:], self.returned):
             if returned and p.grad is not None and g is not None and p.grad.data_ptr() == g.data_ptr():
                 p.grad = p.grad.clone()
+
+
+def _giving(block: nn.Module, casts: Optional[weight_casts.PendingCast], aliases: Optional[Dict[int, torch.Tensor]]):
+    """The block's layers take these casts and tp-gradient aliases in its forward (BlockWeights.use), where
+    it has any; a None is left for the block to make."""
+    if not hasattr(block, "block_weights"):
+        return contextlib.nullcontext()
+    return block.block_weights.use(casts, aliases)
 
 
 def _cast_again_after_optimizer_steps(graphed: GraphedBlocks):

@@ -36,6 +36,8 @@ from ..parallel.held_work import HeldWork
 from ..parallel.sharding import ShardSpec, take_shards
 from ..parallel.state import group_rank, group_size, resolve_tp_group
 from .autocast_linear import add_bias, linear, linears
+from .block_weights import BlockWeights
+from .weight_casts import PendingCast
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe, fp8_linears
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -89,8 +91,8 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
                             biases: Sequence[Optional[torch.Tensor]], group, sequence_parallel: bool,
                             overlap: Optional[bool] = None, seq_dim: int = 0,
                             save_gathered_input: Optional[bool] = None, fp8: str = "off",
-                            fp8_amaxes: Optional[Fp8Amaxes] = None,
-                            held: Optional[HeldWork] = None) -> List[torch.Tensor]:
+                            fp8_amaxes: Optional[Fp8Amaxes] = None, held: Optional[HeldWork] = None,
+                            casts: Optional[PendingCast] = None) -> List[torch.Tensor]:
     """[F.linear(x_full, W_i, b_i)] for column-parallel weights W_i [out_i/tp, in] sharing one input.
 
     One input collective serves them all (q/k/v, up/gate): under SP x [seq/tp, b, in] is
@@ -103,15 +105,16 @@ def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor],
     overlapped path, where the weight gradient may be held back for a later layer's waits
     (tpflash.parallel.held_work). x may also come as (x, *ports) from a norm with `grad_ports`
     (kernels.layer_norm): the overlapped path hands the ports its input gradient's received parts;
-    elsewhere the ports are left without a gradient, which adds nothing.
+    elsewhere the ports are left without a gradient, which adds nothing. casts: a block's weight casts
+    for this forward (tpflash.layers.block_weights), where the GEMMs find the weights cast.
     """
     x, grad_ports = (x[0], tuple(x[1:])) if isinstance(x, tuple) else (x, ())
     if fp8 != "off" and sequence_parallel and group_size(group) > 1:
         return fp8_linears(x, weights, biases, fp8, group, seq_dim, fp8_amaxes)
     if fp8 == "off" and _overlapped(sequence_parallel, seq_dim, group, overlap):
-        return _overlap.all_gather_linear(x, weights, biases, group, save_gathered_input, held, grad_ports)
+        return _overlap.all_gather_linear(x, weights, biases, group, save_gathered_input, held, grad_ports, casts)
     x = column_parallel_input(x, group, sequence_parallel, seq_dim)  # [seq, *, in]
-    return linears(x, weights, biases, fp8, fp8_amaxes)  # one GEMM over the stacked weights
+    return linears(x, weights, biases, fp8, fp8_amaxes, casts)  # one GEMM over the stacked weights
 
 
 def column_input_part(like: torch.Tensor, first_weight: torch.Tensor, group, sequence_parallel: bool,
@@ -222,7 +225,9 @@ class RowParallelLinear(nn.Module):
     unless a block sets it, where a norm adds the output to the residual stream next): on the
     overlapped path inside a CUDA graph capture, the output comes as a tuple of parts whose sum it
     is (tpflash.parallel.overlap.linear_reduce_scatter), which kernels.layer_norm / rms_norm add
-    in their own pass: the sum's own read and write are saved.
+    in their own pass: the sum's own read and write are saved. `block_weights`: its block's
+    (tpflash.layers.block_weights; an empty one of its own outside a block): the weight's cast and
+    the bias's tp-gradient alias during the block's forward.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
@@ -242,6 +247,7 @@ class RowParallelLinear(nn.Module):
         self.overlap = overlap
         self.held_work: Optional[HeldWork] = None  # a block's: run on the overlapped path
         self.output_parts = False  # a block's: the reduce-scatter's parts left to the next norm to add
+        self.block_weights = BlockWeights()  # its block's, once in one
         self.tp_shard_specs = {"weight": ShardSpec(1, in_features)}
         spec = self.tp_shard_specs["weight"]
         self.padded_in_features = spec.chunk(tp) * tp  # in_features, or the next multiple of tp
@@ -276,12 +282,13 @@ class RowParallelLinear(nn.Module):
             x = comm.split_along_dim(x, -1, self.process_group)
         elif self.local_padding:
             x = _zero_padding(x, self.local_real)  # e.g. act(0) != 0 from a padded column layer
+        casts = self.block_weights.casts
         if self.fp8 == "off" and _pipelined(self):  # each peer's rows computed and sent while the next are computed
             return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp(),
-                                                  self.held_work, self.output_parts)
+                                                  self.held_work, self.output_parts, casts)
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue
-            return linear(x, self.weight, self.bias, self.fp8, amaxes)
-        return self.reduce_partial_sum(linear(x, self.weight, fp8=self.fp8, fp8_amaxes=amaxes))
+            return linear(x, self.weight, self.bias, self.fp8, amaxes, casts)
+        return self.reduce_partial_sum(linear(x, self.weight, fp8=self.fp8, fp8_amaxes=amaxes, casts=casts))
 
     def reduce_partial_sum(self, y: torch.Tensor) -> torch.Tensor:
         """This layer's output from the rank's partial product y = x_local W_local^T [*, out]: summed over
@@ -296,7 +303,7 @@ class RowParallelLinear(nn.Module):
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         """y + bias for the reduced output y, in y's dtype (an fp32 bias does not promote a bf16 output
         under autocast); under SP the bias gradient is summed over tp."""
-        return add_bias(y, self._bias_summed_over_tp())
+        return add_bias(y, self._bias_summed_over_tp(), self.block_weights.casts)
 
     def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
         """The parameters whose gradient each tp rank holds only a part of: under SP, the bias."""
@@ -305,7 +312,7 @@ class RowParallelLinear(nn.Module):
     def _bias_summed_over_tp(self) -> Optional[torch.Tensor]:
         """The bias, its gradient summed over tp under SP (each rank's tokens give a part of it)."""
         if self.bias is not None and self.sequence_parallel:
-            return comm.copy_to_tp_region(self.bias, self.process_group)
+            return self.block_weights.summed_over_tp([self.bias], self.process_group)[0]
         return self.bias
 
     def extra_repr(self) -> str:

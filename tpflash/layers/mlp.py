@@ -15,6 +15,7 @@ from ..kernels.fused_dense import fused_dense_gelu_dense
 from ..kernels.fp8 import E4M3, E5M2, Fp8Handoff
 from ..kernels.reference import ACTIVATION_FUNCTIONS
 from .fp8_linear import Fp8Amaxes, check_fp8_recipe
+from .block_weights import BlockWeights
 from .recompute import recomputed_when_saved
 from .linear import (ColumnParallelLinear, InitMethod, RowParallelLinear, column_input_part, column_parallel_input,
                      column_parallel_linears)
@@ -55,7 +56,8 @@ class ParallelMLP(nn.Module):
     backward keeps (tpflash.layers.recompute): one elementwise pass for a [seq, b, ffn/tp] tensor
     less per layer (docs/performance.md, "Activation memory").
     `held_work` (None unless a block sets it): where the up/gate projection's weight gradient
-    may be held back for a later layer's waits (tpflash.parallel.held_work).
+    may be held back for a later layer's waits (tpflash.parallel.held_work). `block_weights`: its
+    block's (tpflash.layers.block_weights), for the up/gate weights' casts.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, mlp: str = "gelu", bias: bool = True,
@@ -70,6 +72,7 @@ class ParallelMLP(nn.Module):
         self.fp8 = fp8
         self.fp8_history = None  # fp8="delayed": the up(/gate) GEMM's amax histories (tpflash.layers.fp8_history)
         self.held_work: Optional[HeldWork] = None
+        self.block_weights = BlockWeights()  # its block's, once in one
         if mlp not in MLPS:
             raise ValueError(f"mlp={mlp!r} must be one of {MLPS}")
         if fused_dense and mlp != "gelu":
@@ -98,7 +101,7 @@ class ParallelMLP(nn.Module):
         return [up, (self.down_proj.weight,)]
 
     def weight_cast_groups(self) -> List[Tuple[Optional[torch.Tensor], ...]]:
-        """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.cast_once):
+        """The tensors forward casts to the compute dtype, grouped as it stacks them (weight_casts.prepare_cast):
         none on the fused-dense path, which casts its own; the activation kernel takes up_proj's bias as is."""
         if self.fused_dense or self.fp8 != "off":  # fp8: its GEMMs cast the weights themselves
             return []
@@ -140,7 +143,8 @@ class ParallelMLP(nn.Module):
             y = column_parallel_linears(x, [self.up_proj.weight], [None], self.process_group,
                                         self.sequence_parallel, self.up_proj.overlap, fp8=self.fp8,
                                         fp8_amaxes=Fp8Amaxes(history=self.fp8_history),
-                                        held=self.held_work)[0]  # [seq, b, ffn/tp], no bias yet
+                                        held=self.held_work,
+                                        casts=self.block_weights.casts)[0]  # [seq, b, ffn/tp], no bias yet
             # the bias added by the activation's kernel, whose backward sums its gradient while writing dy
             activation = partial(ACTIVATIONS[self.mlp], y) if up_bias is None else \
                 partial(kernels.bias_activation, y, up_bias, self.mlp)
@@ -158,7 +162,8 @@ class ParallelMLP(nn.Module):
                                                fp8_amaxes=Fp8Amaxes(grad=amaxes[1] if amaxes else None,
                                                                     history=self.fp8_history,
                                                                     grad_fp8=grad_fp8),
-                                               held=self.held_work)  # [seq, b, ffn/tp] each
+                                               held=self.held_work,
+                                               casts=self.block_weights.casts)  # [seq, b, ffn/tp] each
             # one pass each way; the backward writes [d_up | d_gate] as one buffer, the stacked GEMM's gradient
             activation = partial(kernels.swiglu, up, gate)
             h = kernels.swiglu(up, gate, amaxes, grad_fp8, h_fp8)  # with h_fp8: a stand-in carrying h's gradient

@@ -4,7 +4,9 @@ Norm weights are replicated over tp. Without sequence parallelism every tp rank 
 same (replicated) activations, so every rank computes the same weight gradient and nothing needs
 reducing. Under sequence parallelism each rank normalises its own tokens, so each holds a
 *partial* weight gradient: the weight goes through `copy_to_tp_region` (identity forward,
-all-reduce backward), which sums the partials, the same way RowParallelLinear treats its bias.
+all-reduce backward), which sums the partials, the same way RowParallelLinear treats its bias;
+inside a block, through the alias its block makes for it (tpflash.layers.block_weights), whose
+gradient one all-reduce sums with the block's others.
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from .. import kernels
-from ..parallel import comm
 from ..parallel.state import group_size, resolve_tp_group
+from .block_weights import BlockWeights
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -54,15 +56,14 @@ class ParallelNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
         self.grad_ports = 0
         self.x_grad_into = None
+        self.block_weights = BlockWeights()  # its block's, once in one
 
     def _params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(weight, bias) as the kernel uses them: under SP through one copy_to_tp_region_many, which sums
-        the per-token-shard gradients of both in one all-reduce."""
+        """(weight, bias) as the kernel uses them: under SP with their per-token-shard gradients summed
+        over tp (BlockWeights.summed_over_tp: the block's aliases, else one all-reduce for both)."""
         if not self.sequence_parallel:
             return self.weight, self.bias
-        if self.bias is None:
-            return comm.copy_to_tp_region(self.weight, self.process_group), None
-        weight, bias = comm.copy_to_tp_region_many([self.weight, self.bias], self.process_group)
+        weight, bias = self.block_weights.summed_over_tp([self.weight, self.bias], self.process_group)
         return weight, bias
 
     def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
@@ -102,13 +103,15 @@ class HeadNorm(nn.Module):
         self.head_dim, self.eps = head_dim, eps
         self.process_group = resolve_tp_group(process_group)
         self.weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=dtype))
+        self.block_weights = BlockWeights()  # its block's, once in one
 
     def tp_partial_grad_parameters(self) -> List[nn.Parameter]:
         """The weight, whenever tp > 1 (each rank's gradient covers only its heads)."""
         return [self.weight] if group_size(self.process_group) > 1 else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, comm.copy_to_tp_region(self.weight, self.process_group), self.eps)
+        weight, = self.block_weights.summed_over_tp([self.weight], self.process_group)
+        return kernels.rms_norm(x, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.head_dim}, eps={self.eps}, tp={group_size(self.process_group)}"

@@ -2,25 +2,22 @@
 
 Under autocast every GEMM multiplies bf16 copies of fp32 weights. Cast one by one, that is about ten
 small copy kernels per block and step (gpt-2.7b: 354 per step), each with its launch, and inside a
-CUDA graph a dependency gap after it (docs/architecture.md, "Layers and data flow"). Inside `cast_once(groups,
-dtype)` those casts are done on entry by `torch._foreach_copy_` (a few multi-tensor kernels for all
-of them) into one buffer, each group of tensors side by side, so that a group multiplied as one
-stacked weight (q/k/v, up/gate: tpflash.layers.autocast_linear) is a view of it too. `stacked_cast`
-is what the layers call: a view from the open cast, else the usual cast and copy.
+CUDA graph a dependency gap after it (docs/architecture.md, "Layers and data flow"). `prepare_cast(groups,
+dtype)` lays out one buffer for all of them, each group of tensors side by side, so that a group
+multiplied as one stacked weight (q/k/v, up/gate: tpflash.layers.autocast_linear) is a view of it too;
+its `fill()` issues the copy (`torch._foreach_copy_`, a few multi-tensor kernels). The block hands the
+resulting `PendingCast` to its layers for one forward (tpflash.layers.block_weights), and the layers
+pass it to `stacked_cast`: a view from it, else the usual cast and copy.
 
 Tensors are recognised by storage address and shape, so an alias of a parameter (e.g. from
-tpflash.parallel.comm.tp_grad_bucket) finds the parameter's cast. The casts are valid while the
+tpflash.parallel.comm.tp_grad_aliases) finds the parameter's cast. The casts are valid while the
 tensors do not change, i.e. within one forward; the layers' backward uses the copies it saved.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
-
-_open_casts: List[Tuple[torch.dtype, Dict[tuple, torch.Tensor]]] = []  # innermost last: key -> cast view
-
 
 def _key(tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
@@ -36,14 +33,19 @@ def compute_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
 
 
 class PendingCast:
-    """One buffer of cast views for some groups of tensors (see `cast_once`), with the copy that fills
+    """One buffer of `dtype` views of some groups of tensors (`prepare_cast`), with the copy that fills
     it not yet issued: `fill()` issues it (once; later calls do nothing), on the current stream, and
-    must come before any kernel reads the views. `prepare_cast` makes one; `cast_once` fills it at
-    once, `open_casts` lets GraphedBlocks issue the copy later (a block's casts in the previous
-    block's waits: tpflash.parallel.held_work)."""
+    must come before any kernel reads the views. `cast_now` fills it at once; GraphedBlocks issues a
+    block's copy later, in the previous block's waits (tpflash.parallel.held_work)."""
 
-    def __init__(self, cache: Dict[tuple, torch.Tensor], views: List[torch.Tensor], tensors: List[torch.Tensor]):
-        self.cache, self.views, self.tensors, self.filled = cache, views, tensors, False
+    def __init__(self, dtype: torch.dtype, cache: Dict[tuple, torch.Tensor], views: List[torch.Tensor],
+                 tensors: List[torch.Tensor]):
+        self.dtype, self.cache, self.views, self.tensors, self.filled = dtype, cache, views, tensors, False
+
+    def view(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The tensors' cast to `dtype`, stacked along dim 0, where this buffer holds them as one of its
+        groups (or one tensor of a group), else None."""
+        return self.cache.get(_key(tensors)) if dtype == self.dtype else None
 
     def fill(self, again: bool = False) -> None:
         """Issue the copy, unless it was issued already (again=True: issue it anyway, e.g. after the
@@ -55,8 +57,10 @@ class PendingCast:
 
 
 def prepare_cast(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optional[torch.dtype]) -> Optional[PendingCast]:
-    """The buffer and views `cast_once(groups, dtype)` would fill, unfilled; None where nothing is cast
-    (dtype None, or no group castable: see cast_once)."""
+    """One buffer for the `dtype` casts of `groups`, its copy not yet issued. groups: tuples of tensors
+    whose shapes agree past dim 0 (e.g. (W_q, W_k, W_v), (b_q, b_k, b_v), (W_o,)); groups holding
+    None, tensors already in `dtype`, non-contiguous tensors and another device than the first's
+    are left out. None where nothing is cast (dtype None, or no group castable)."""
     if dtype is None:
         return None
     kept, device = [], None
@@ -64,7 +68,7 @@ def prepare_cast(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Opti
         if not g or not all(_castable(t, dtype) for t in g):
             continue
         device = g[0].device if device is None else device
-        if all(t.device == device for t in g) and _lookup(g, dtype) is None:
+        if all(t.device == device for t in g):
             kept.append(tuple(g))
     if not kept:
         return None
@@ -75,63 +79,32 @@ def prepare_cast(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Opti
     cache, start, offset = {}, 0, 0
     for g in kept:
         numel = sum(sizes[start:start + len(g)])
-        keys = _key(g)  # ((data_ptr, shape), ...) per tensor, as _lookup builds them
+        keys = _key(g)  # ((data_ptr, shape), ...) per tensor, as view() looks them up
         for key, view in zip(keys, views[start:start + len(g)]):
             cache[(key,)] = view
         if len(g) > 1 and all(t.shape[1:] == g[0].shape[1:] for t in g):  # stackable along dim 0
             shape = (sum(t.shape[0] for t in g),) + tuple(g[0].shape[1:])
             cache[keys] = flat[offset:offset + numel].view(shape)
         start, offset = start + len(g), offset + numel
-    return PendingCast(cache, views, tensors)
+    return PendingCast(dtype, cache, views, tensors)
 
 
-@contextlib.contextmanager
-def open_casts(casts: Sequence[Optional[PendingCast]], dtype: Optional[torch.dtype]):
-    """Inside, `stacked_cast` finds the views of every cast given (None entries skipped), filled or not:
-    the caller issues each one's `fill()` before the layers that read it run."""
-    caches = [c.cache for c in casts if c is not None]
-    if dtype is None or not caches:
-        yield
-        return
-    _open_casts.append((dtype, {key: view for cache in caches for key, view in cache.items()}))
-    try:
-        yield
-    finally:
-        _open_casts.pop()
-
-
-@contextlib.contextmanager
-def cast_once(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optional[torch.dtype]):
-    """Inside, `stacked_cast(group, dtype)` of any group here (or of one of its tensors) returns a view
-    of one buffer filled on entry by one multi-tensor copy. groups: tuples of tensors whose shapes
-    agree past dim 0 (e.g. (W_q, W_k, W_v), (b_q, b_k, b_v), (W_o,)); groups holding None, tensors
-    already in `dtype`, non-contiguous tensors, another device than the first's, and groups an
-    enclosing cast_once holds already are left out.
-    dtype None: nothing is cast (a no-op context)."""
+def cast_now(groups: Sequence[Sequence[Optional[torch.Tensor]]], dtype: Optional[torch.dtype]) -> Optional[PendingCast]:
+    """`prepare_cast(groups, dtype)` with its copy issued now (None where nothing is cast)."""
     cast = prepare_cast(groups, dtype)
     if cast is not None:
         cast.fill()
-    with open_casts([cast], dtype):
-        yield
+    return cast
 
 
 def _castable(t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
     return t is not None and t.is_floating_point() and t.dtype != dtype and t.is_contiguous() and t.numel() > 0
 
 
-def cached_cast(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The tensors' stacked cast to `dtype` from the innermost open `cast_once` holding them, else None."""
-    return _lookup(tensors, dtype)
-
-
-def _lookup(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    if not _open_casts:
-        return None
-    key = _key(tensors)
-    for cast_dtype, cache in reversed(_open_casts):
-        if cast_dtype == dtype and key in cache:
-            return cache[key]
-    return None
+def cached_cast(tensors: Sequence[torch.Tensor], dtype: torch.dtype,
+                casts: Optional[PendingCast]) -> Optional[torch.Tensor]:
+    """The tensors' stacked cast to `dtype` from `casts` where it holds them, else None."""
+    return None if casts is None else casts.view(tensors, dtype)
 
 
 def adjacent_rows(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -151,11 +124,12 @@ def adjacent_rows(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Option
     return first.detach().as_strided(shape, torch.empty(shape, device="meta").stride())
 
 
-def stacked_cast(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The tensors concatenated along dim 0 in `dtype`: a view of the innermost open `cast_once` that
-    holds them, a view of their storage where they lie there stacked in `dtype` already, else cast
-    and copied in one pass each."""
-    cached = cached_cast(tensors, dtype)
+def stacked_cast(tensors: Sequence[torch.Tensor], dtype: torch.dtype,
+                 casts: Optional[PendingCast] = None) -> torch.Tensor:
+    """The tensors concatenated along dim 0 in `dtype`: a view of `casts` (a block's casts for this
+    forward) where it holds them, a view of their storage where they lie there stacked in `dtype`
+    already, else cast and copied in one pass each."""
+    cached = cached_cast(tensors, dtype, casts)
     if cached is not None:
         return cached
     if len(tensors) == 1:

@@ -4,8 +4,8 @@ Every function takes the group explicitly; `group=None` (or a group of one) make
 identity, so layers built on these also run in a plain single-process script.
 
 Forward / backward pairs (the duals of each other):
-    copy_to_tp_region        identity        / all-reduce   (copy_to_tp_region_many: one for several;
-                                                              tp_grad_bucket: one for a whole block)
+    copy_to_tp_region        identity        / all-reduce   (copy_to_tp_region_many: one for several,
+                                                              e.g. a whole block's: tp_grad_aliases)
     reduce_from_tp_region    all-reduce      / identity
     split_along_dim          keep own chunk  / all-gather
     gather_along_dim         all-gather      / keep own chunk
@@ -20,7 +20,6 @@ beside the caller's next kernels; issued in stream order, so already "done").
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -263,54 +262,26 @@ class _AllGatherReduceScatter(torch.autograd.Function):
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Identity forward; all-reduce of the gradient backward (input of a column-parallel layer).
-    Inside a `tp_grad_bucket` holding x, x's alias from the bucket (its gradient summed there)."""
-    if group_size(group) == 1:
-        return x
-    alias = _bucketed(x, group)
-    return _CopyToRegion.apply(x, group) if alias is None else alias
+    """Identity forward; all-reduce of the gradient backward (input of a column-parallel layer)."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
 
 
 def copy_to_tp_region_many(xs: Sequence[torch.Tensor], group: ProcessGroup) -> Tuple[torch.Tensor, ...]:
     """copy_to_tp_region of each tensor, with all their gradients summed in ONE all-reduce per dtype (a
-    norm's weight and bias under SP: the collective's latency, not its bytes, is its cost). Tensors
-    held by an open `tp_grad_bucket` come out as the bucket's aliases."""
-    if group_size(group) == 1:
-        return tuple(xs)
-    out = [_bucketed(x, group) for x in xs]
-    rest = [i for i, alias in enumerate(out) if alias is None]
-    if rest:
-        for i, alias in zip(rest, _CopyManyToRegion.apply(group, *(xs[i] for i in rest))):
-            out[i] = alias
-    return tuple(out)
+    norm's weight and bias under SP: the collective's latency, not its bytes, is its cost)."""
+    return tuple(xs) if group_size(group) == 1 or not xs else tuple(_CopyManyToRegion.apply(group, *xs))
 
 
-_open_buckets: List[Tuple[ProcessGroup, Dict[int, torch.Tensor]]] = []  # (group, id(tensor) -> alias), innermost last
-
-
-@contextlib.contextmanager
-def tp_grad_bucket(params: Sequence[torch.Tensor], group: ProcessGroup):
-    """Inside this context, `copy_to_tp_region(p, group)` of any p in params returns one alias of p made
-    on entry, so that the partial gradients of all of them (e.g. a block's norm weights and row-layer
-    biases under sequence parallelism) are summed over tp by ONE all-reduce per dtype, when the last
-    of them is known (the entry point is the first use in the forward, so its backward runs last),
-    instead of one all-reduce per use. Tensors already in an enclosing bucket of the group stay
-    there. The aliases are only for use inside the context. Process group: `group`."""
-    fresh = [p for p in params if _bucketed(p, group) is None] if group_size(group) > 1 else []
-    aliases = _CopyManyToRegion.apply(group, *fresh) if fresh else ()
-    _open_buckets.append((group, {id(p): alias for p, alias in zip(fresh, aliases)}))
-    try:
-        yield
-    finally:
-        _open_buckets.pop()
-
-
-def _bucketed(x: torch.Tensor, group: ProcessGroup) -> Optional[torch.Tensor]:
-    """x's alias from the innermost open tp_grad_bucket of group that holds it, else None."""
-    for bucket_group, aliases in reversed(_open_buckets):
-        if bucket_group is group and id(x) in aliases:
-            return aliases[id(x)]
-    return None
+def tp_grad_aliases(params: Sequence[torch.Tensor], group: ProcessGroup) -> Dict[int, torch.Tensor]:
+    """id(p) -> an alias of p (identity forward) for each p in params, all their gradients summed over
+    tp by ONE all-reduce per dtype, once the last of them is known (e.g. a block's norm weights and
+    row-layer biases under sequence parallelism: the aliases are made where the forward starts, so
+    their backward runs last), instead of one all-reduce per use. Every use of p in the forward must
+    take the alias (tpflash.layers.block_weights hands them to a block's layers). {} at tp=1.
+    Process group: `group`."""
+    if group_size(group) == 1 or not params:
+        return {}
+    return {id(p): alias for p, alias in zip(params, _CopyManyToRegion.apply(group, *params))}
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
+from ..layers.weight_casts import PendingCast
 from . import peer_collectives
 from .held_work import HeldWork
 from .overlap_gemms import (_ColumnLinearOverPeers, _RowLinearOverPeers, copy_engines_reach, kept_input_part,
@@ -115,7 +116,8 @@ def overlapping_for_capture(blocks: Sequence[nn.Module], decision: bool):
 def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
                       biases: Optional[Sequence[Optional[torch.Tensor]]] = None, group=None,
                       save_gathered_input: Optional[bool] = None,
-                      held: Optional[HeldWork] = None, grad_ports: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
+                      held: Optional[HeldWork] = None, grad_ports: Sequence[torch.Tensor] = (),
+                      casts: Optional[PendingCast] = None) -> List[torch.Tensor]:
     """[F.linear(all_gather_along_seq(x_local), W_i, b_i) for each i], the gather overlapped with the GEMMs.
 
     x_local: [s/tp, b, in] (sequence-first, this rank's tokens); W_i: [out_i/tp, in]; returns
@@ -129,7 +131,9 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     whose gradients it adds to x_local's (a norm's `grad_ports`): where the input gradient's
     reduce-scatter leaves its parts unsummed (inside a CUDA graph capture), this rank's part is
     x_local's gradient and the received ones are the ports', and no pass adds them here; otherwise
-    the ports get no gradient. Process group: `group` (None: tp=1).
+    the ports get no gradient. casts: a block's weight casts for this forward
+    (tpflash.layers.weight_casts), where the GEMMs find the weights and biases cast. Process group:
+    `group` (None: tp=1).
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
@@ -143,7 +147,7 @@ def all_gather_linear(x_local: torch.Tensor, weights: Sequence[torch.Tensor],
     if grad_ports and len(grad_ports) != group_size(group) - 1:
         raise ValueError(f"got {len(grad_ports)} gradient ports; the input gradient's reduce-scatter over "
                          f"{group_size(group)} ranks has {group_size(group) - 1} received parts")
-    return list(_ColumnLinearOverPeers.apply(x_local, group, keep, held, len(weights), len(grad_ports),
+    return list(_ColumnLinearOverPeers.apply(x_local, group, keep, held, casts, len(weights), len(grad_ports),
                                              *grad_ports, *weights, *biases))
 
 
@@ -173,7 +177,8 @@ def gathered_input_part(like: torch.Tensor, owner: torch.Tensor, group,
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
                           bias: Optional[torch.Tensor] = None, held: Optional[HeldWork] = None,
-                          parts: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
+                          parts: bool = False, casts: Optional[PendingCast] = None
+                          ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
     """reduce_scatter_along_seq(F.linear(h, weight)) + bias, the GEMMs overlapped with the reduce-scatter.
 
     h: [s, b, in/tp] (sequence-first); weight: [out, in/tp]; bias: [out] or None, added once per
@@ -185,7 +190,7 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
     (peer_collectives.PeerReduceScatter.finish_parts), return the sum's parts unsummed, a tuple
     [s/tp, b, out] each, this rank's own first (the only one with a gradient), for a consumer that
     adds them in its own pass (kernels.layer_norm / rms_norm take them as x); elsewhere the sum.
-    Raises ValueError, before any collective, when s is not divisible by tp or the bias has the
+    casts: as in all_gather_linear. Raises ValueError, before any collective, when s is not divisible by tp or the bias has the
     wrong size. Process group: `group`.
     """
     world = group_size(group)
@@ -196,5 +201,5 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the weight {tuple(weight.shape)}: "
                          f"it must be [{weight.shape[0]}] (one value per output feature)")
-    ys = _RowLinearOverPeers.apply(h, weight, bias, group, held, parts)
+    ys = _RowLinearOverPeers.apply(h, weight, bias, group, held, parts, casts)
     return ys if len(ys) > 1 else ys[0]

@@ -334,11 +334,12 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
     """ys_i = all_gather_seq(x_local) @ W_i^T + b_i: x_local [s/tp, b, in] -> ys_i [s, b, out_i/tp].
     save_gathered: keep the gathered input for the weight gradient, else gather it again there.
     held: where the weight gradient over a kept input may be held back (HeldWork), or None.
+    casts: a block's weight casts (tpflash.layers.weight_casts.PendingCast), or None.
     tensors: n_ports gradient ports (overlap.all_gather_linear's grad_ports), then the weights, then
     the biases."""
 
     @staticmethod
-    def forward(ctx, x_local, group, save_gathered, held, n, n_ports, *tensors):
+    def forward(ctx, x_local, group, save_gathered, held, casts, n, n_ports, *tensors):
         params = tensors[n_ports:]
         weights, biases = params[:n], params[n:]
         ctx.n_ports = n_ports
@@ -350,8 +351,8 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         rows = _rows(x_local.to(dtype))  # [s/tp*b, in]
         world = dist.get_world_size(group)
         with _no_autocast(rows):
-            w_c = stacked_cast(weights, dtype)  # [sum out_i/tp, in]
-            b_c = None if biases[0] is None else stacked_cast(biases, dtype)
+            w_c = stacked_cast(weights, dtype, casts)  # [sum out_i/tp, in]
+            b_c = None if biases[0] is None else stacked_cast(biases, dtype, casts)
             gather = _all_gather(rows, group, keep=save_gathered, owner=weights[0])
             out = rows.new_empty((world * rows.shape[0], w_c.shape[0]))  # [s*b, sum out_i/tp]
             _gather_multiply(gather, w_c.t(), b_c, out)
@@ -368,7 +369,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         lead = next((g.shape[:-1] for g in grad_ys if g is not None), (rows,))  # [s, b] (or [s*b])
         grads = [torch.zeros(lead + (size,), dtype=w_c.dtype, device=w_c.device) if g is None
                  else g.to(w_c.dtype) for g, size in zip(grad_ys, ctx.sizes)]  # [s, b, out_i] (views)
-        first_param = 6 + ctx.n_ports  # the index of the first weight among forward's inputs
+        first_param = 7 + ctx.n_ports  # the index of the first weight among forward's inputs
         has_bias = ctx.param_dtypes[n] is not None and any(ctx.needs_input_grad[first_param + n:])
         bias_sums = None
         if n > 1 and has_bias:  # concatenated and their column sums taken in one pass
@@ -405,23 +406,23 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
             raise RuntimeError(f"{len(received)} received parts of the input gradient for {ctx.n_ports} ports")
         port_grads = received + [None] * (ctx.n_ports - len(received))  # a port without one adds nothing
         params = [None if g is None else g.to(dt) for g, dt in zip(list(grad_w) + list(grad_b), ctx.param_dtypes)]
-        return (grad_x, None, None, None, None, None, *port_grads, *params)
+        return (grad_x, None, None, None, None, None, None, *port_grads, *params)
 
 
 class _RowLinearOverPeers(torch.autograd.Function):
     """y_local = reduce_scatter_seq(h @ W^T) + b: h [s, b, in/tp] -> y_local [s/tp, b, out], returned
     as a tuple of one tensor, or with `parts` of several whose sum y_local is (this rank's own part
     first, the only differentiable one: y_local's gradient is its gradient); the bias's gradient is
-    this rank's tokens' part."""
+    this rank's tokens' part. casts: a block's weight casts (PendingCast), or None."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, group, held, parts):
+    def forward(ctx, h, weight, bias, group, held, parts, casts):
         dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes, ctx.held = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype), held
         ctx.main_grad = main_grad_of([weight])  # where the weight gradient is added (tpflash.layers.main_grads)
-        h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype)
+        h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype, casts)
         with _no_autocast(h):
-            b_c = None if bias is None else stacked_cast([bias], dtype)
+            b_c = None if bias is None else stacked_cast([bias], dtype, casts)
             ys = _multiply_scatter(_rows(h), w.t(), group, b_c, held, parts)  # [s/tp*b, out] each
         ctx.save_for_backward(h, w)
         shape = (h.shape[0] // dist.get_world_size(group),) + tuple(h.shape[1:-1]) + (w.shape[0],)
@@ -434,7 +435,7 @@ class _RowLinearOverPeers(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, *_received):
         if grad_y is None:  # nothing reached this rank's own part
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         h, w = ctx.saved_tensors
         with _no_autocast(h):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
@@ -444,4 +445,4 @@ class _RowLinearOverPeers(torch.autograd.Function):
             grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
             gather.finish()
         grad_w = None if ctx.main_grad is not None else grad_w.to(ctx.dtypes[1])  # main_grad: added there
-        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w, grad_b, None, None, None
+        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w, grad_b, None, None, None, None

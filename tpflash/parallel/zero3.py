@@ -455,7 +455,6 @@ class GraphSync:
     makes around a capture and its replays. The hooks themselves run while the blocks are captured,
     so the graphs carry them."""
 
-    cast_weights = False  # the gathered weights are in the compute dtype already
     collect_gradients = False  # the hooks take each leaf's gradient and drop it: none is kept for the stack
 
     def __init__(self, sharded: ShardedBlocks):
