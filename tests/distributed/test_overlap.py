@@ -9,7 +9,7 @@ from tests.distributed.checks import assert_close, init_tp, work_dtype
 from tests.kernels.helpers import ZeroFills
 from tpflash.layers import ColumnParallelLinear, RowParallelLinear
 from tpflash.layers.linear import _pipelined
-from tpflash.parallel import overlap, overlap_gemms
+from tpflash.parallel import overlap, overlap_gemms, overlap_transfers
 
 SEQ, BATCH, IN, OUT = 8, 3, 16, 24
 
@@ -81,7 +81,7 @@ def send_parts_body(tp):
     layer.overlap = True
     h_local = _randn(ps, torch.float32, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
     grad_y = _randn(ps, torch.float32, SEQ // tp, BATCH, OUT, seed=20 + ps.tp_rank)
-    make, threshold, sends = overlap_gemms._reduce_scatter, overlap_gemms.CHUNK_BELOW_INNER, []
+    make, threshold, sends = overlap_transfers.reduce_scatter, overlap_gemms.CHUNK_BELOW_INNER, []
 
     def recording(*args):
         pending = make(*args)
@@ -89,7 +89,7 @@ def send_parts_body(tp):
         pending.send = lambda r, part, row=0: sends.append(r) or send(r, part, row)
         return pending
 
-    overlap_gemms._reduce_scatter = recording
+    overlap_transfers.reduce_scatter = recording
     results = {}
     try:
         for below in (IN // tp + 1, IN // tp):  # the inner dimension under, then at the threshold
@@ -100,7 +100,7 @@ def send_parts_body(tp):
             want = [first] * (2 if below > IN // tp else 1) + [(ps.tp_rank + s) % tp for s in range(2, tp)]
             assert sends == want, f"CHUNK_BELOW_INNER={below}: parts sent to {sends}, expected {want}"
     finally:
-        overlap_gemms._reduce_scatter, overlap_gemms.CHUNK_BELOW_INNER = make, threshold
+        overlap_transfers.reduce_scatter, overlap_gemms.CHUNK_BELOW_INNER = make, threshold
     _same(results[IN // tp], results[IN // tp + 1], f"row tp={tp}, one part per peer against two for the first")
 
 
@@ -350,17 +350,17 @@ def block_parts_body(tp):
     handing over the sums compute, forward and backward."""
     blocks, run = _two_blocks(tp, [("swiglu", "rmsnorm")] * 2, position="rotary")
     handed = []
-    reach = overlap_gemms.copy_engines_reach
-    overlap_gemms.copy_engines_reach = lambda x, group: False
-    real = overlap_gemms._GroupReduceScatter.finish_parts
+    reach = overlap_transfers.copy_engines_reach
+    overlap_transfers.copy_engines_reach = lambda x, group: False
+    real = overlap_transfers.GroupReduceScatter.finish_parts
     try:
         summed = run(lambda first_out: handed.append(isinstance(first_out, tuple)))
-        overlap_gemms._GroupReduceScatter.finish_parts = _finish_as_parts
+        overlap_transfers.GroupReduceScatter.finish_parts = _finish_as_parts
         blocks[0].hand_output_parts(True)
         parted = run(lambda first_out: handed.append(isinstance(first_out, tuple)))
     finally:
-        overlap_gemms.copy_engines_reach = reach
-        overlap_gemms._GroupReduceScatter.finish_parts = real
+        overlap_transfers.copy_engines_reach = reach
+        overlap_transfers.GroupReduceScatter.finish_parts = real
         blocks[0].hand_output_parts(False)
     assert handed == [False, True], f"the first block's output should come as parts only when handed: {handed}"
     _same(parted, summed, f"blocks handing parts, tp={tp}")
@@ -394,14 +394,14 @@ def block_grad_parts_body(tp):
         handed.append(len(parts))
         return parts
 
-    reach, real = overlap_gemms.copy_engines_reach, overlap_gemms._GroupReduceScatter.finish_parts
+    reach, real = overlap_transfers.copy_engines_reach, overlap_transfers.GroupReduceScatter.finish_parts
     send_all, width = overlap_gemms._send_all_parts, overlap_gemms.ONE_GEMM_FROM_WIDTH
     one_gemm_sends = []
     overlap_gemms._send_all_parts = lambda *args: one_gemm_sends.append(1) or send_all(*args)
-    overlap_gemms.copy_engines_reach = lambda x, group: False
+    overlap_transfers.copy_engines_reach = lambda x, group: False
     try:
         summed = run()
-        overlap_gemms._GroupReduceScatter.finish_parts = spy
+        overlap_transfers.GroupReduceScatter.finish_parts = spy
         for block in blocks:
             block.take_input_grad_parts(True)
         # the output projections' forward parts counted out: the backward's only
@@ -410,8 +410,8 @@ def block_grad_parts_body(tp):
         overlap_gemms.ONE_GEMM_FROM_WIDTH = 0  # every projection's input gradient in one GEMM
         one_gemm = run()
     finally:
-        overlap_gemms.copy_engines_reach = reach
-        overlap_gemms._GroupReduceScatter.finish_parts = real
+        overlap_transfers.copy_engines_reach = reach
+        overlap_transfers.GroupReduceScatter.finish_parts = real
         overlap_gemms._send_all_parts, overlap_gemms.ONE_GEMM_FROM_WIDTH = send_all, width
         for block in blocks:
             block.take_input_grad_parts(False)
@@ -433,13 +433,13 @@ def parts_backward_body(tp):
     dtype = work_dtype(ps.device)
     layer = RowParallelLinear(IN, OUT, bias=True, sequence_parallel=True, device=ps.device, dtype=dtype)
     h = _randn(ps, dtype, SEQ, BATCH, IN // tp, seed=ps.tp_rank).requires_grad_()
-    reach, real = overlap_gemms.copy_engines_reach, overlap_gemms._GroupReduceScatter.finish_parts
-    overlap_gemms.copy_engines_reach = lambda x, group: False
-    overlap_gemms._GroupReduceScatter.finish_parts = _finish_as_parts
+    reach, real = overlap_transfers.copy_engines_reach, overlap_transfers.GroupReduceScatter.finish_parts
+    overlap_transfers.copy_engines_reach = lambda x, group: False
+    overlap_transfers.GroupReduceScatter.finish_parts = _finish_as_parts
     try:
         parts = overlap.linear_reduce_scatter(h, layer.weight, ps.tp_group, layer.bias, parts=True)
     finally:
-        overlap_gemms.copy_engines_reach, overlap_gemms._GroupReduceScatter.finish_parts = reach, real
+        overlap_transfers.copy_engines_reach, overlap_transfers.GroupReduceScatter.finish_parts = reach, real
     assert len(parts) == 2 and not parts[1].requires_grad, "the stand-in should hand this rank's part and one more"
     fills = ZeroFills()
     with fills:

@@ -137,7 +137,7 @@ def layer_norm(x: Parts, weight: torch.Tensor, bias: Optional[torch.Tensor] = No
     `x_grad_into` (with a residual; ignored without): a function (shape, dtype, device) -> a contiguous
     tensor, or None, called in the backward; x's gradient (x's first part's) is written into that
     tensor, in the pass that computes it, and is that tensor: where x's producer reads it from (a row
-    layer's backward all-gather: tpflash.parallel.overlap_gemms.row_grad_part). None: a tensor of its own.
+    layer's backward all-gather: tpflash.parallel.overlap_transfers.row_grad_part). None: a tensor of its own.
     """
     return _norm(x, weight, bias, eps, residual, False, out_dtype, out, grad_ports, x_grad_into)
 

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ..kernels.norm import MAX_PARTS
 from ..parallel.comm import tp_grad_aliases
 from ..parallel.held_work import HeldWork
-from ..parallel.overlap_gemms import row_grad_part
+from ..parallel.overlap_transfers import row_grad_part
 from ..parallel.random import RNGTracker
 from ..parallel.state import group_rank, group_size, resolve_tp_group, sublayer_group
 from .attention import ParallelAttention
@@ -158,7 +158,7 @@ class ParallelTransformerBlock(nn.Module):
 
     def norms_write_row_grads(self, enabled: bool, after_block: bool) -> None:
         """Whether the norms write the gradient of their input, a row layer's output, where that layer's
-        backward all-gathers it (ParallelNorm.x_grad_into: overlap_gemms.row_grad_part, inside a CUDA
+        backward all-gathers it (ParallelNorm.x_grad_into: overlap_transfers.row_grad_part, inside a CUDA
         graph capture over the copy engines), sparing the gather its copy of this rank's rows: mlp_norm
         for the output projection and, where `after_block` (this block's input is the output of a
         block whose `output_grad_gathered_in_place`), attn_norm for that block's down projection. Only

@@ -35,8 +35,8 @@ import torch.nn as nn
 from ..layers.weight_casts import PendingCast
 from . import peer_collectives
 from .held_work import HeldWork
-from .overlap_gemms import (_ColumnLinearOverPeers, _RowLinearOverPeers, copy_engines_reach, kept_input_part,
-                            linear_compute_dtype)
+from .overlap_gemms import _ColumnLinearOverPeers, _RowLinearOverPeers
+from .overlap_transfers import copy_engines_reach, kept_input_part, linear_compute_dtype
 from .state import group_size
 
 __all__ = ["all_gather_linear", "capture_decision", "copy_engines_reach", "gathered_input_part", "keeps_gathered_input",

@@ -23,14 +23,13 @@ tpflash.parallel.overlap's entry points, and the GEMMs and transfers they are ma
                                                             one GEMM over the gathered grad_y
 
 Activations are sequence-first ([s/tp, b, feat] per rank), so "rank r's rows" are one contiguous
-block of [s*b, feat] and every piece is a plain GEMM into a slice of the output. The transfers are
-tpflash.parallel.peer_collectives' where the copy engines reach the group (`copy_engines_reach`),
-else the group's own collectives with nothing overlapped (`_GroupAllGather`, `_GroupReduceScatter`:
-what the CPU tests run). Process group: the tp group passed in.
+block of [s*b, feat] and every piece is a plain GEMM into a slice of the output. The transfers come
+from tpflash.parallel.overlap_transfers: the copy engines where they reach the group, else the
+group's own collectives with nothing overlapped (what the CPU tests run). Process group: the tp
+group passed in.
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -41,26 +40,9 @@ from ..kernels.column_sum import concat_rows
 from ..kernels.weight_grad import weight_grad_fp32
 from ..layers.main_grads import main_grad_of, split_or_none
 from ..layers.weight_casts import stacked_cast
-from . import comm, peer_collectives
+from . import overlap_transfers as transfers
 from .held_work import HeldWork
-
-
-def copy_engines_reach(x: torch.Tensor, group) -> bool:
-    """Whether x's collectives over group can go through the copy engines: CUDA, every rank on its own
-    GPU of one host with peer access (peer_collectives.reachable), TPFLASH_COMM_BACKEND not "nccl"."""
-    return peer_collectives.comm_backend() != "nccl" and peer_collectives.reachable(x, group)
-
-
-# ---- dtype handling under autocast -----------------------------------------------------------------
-
-def linear_compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype F.linear would compute in for input x here: the autocast dtype when autocast is on
-    (autocast leaves float64 alone), else x's."""
-    dev = x.device.type
-    if (dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev) and x.is_floating_point()
-            and x.dtype != torch.float64):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
+from .overlap_transfers import linear_compute_dtype
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -70,107 +52,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _no_autocast(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
-
-
-# ---- the collectives, by rank ----------------------------------------------------------------------
-
-class _GroupAllGather:
-    """PeerAllGather's interface over the group's own all-gather (no overlap)."""
-
-    def __init__(self, x: torch.Tensor, group):
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.x, self.out = x, comm.all_gather(x, 0, group)
-
-    def order(self) -> List[int]:
-        return [(self.rank + step) % self.world for step in range(self.world)]
-
-    def piece(self, r: int) -> torch.Tensor:
-        return self.out.chunk(self.world)[r]
-
-    def whole(self) -> torch.Tensor:
-        return self.out
-
-    def finish(self) -> torch.Tensor:
-        return self.out
-
-
-class _GroupReduceScatter:
-    """PeerReduceScatter's interface over the group's own reduce-scatter (no overlap)."""
-
-    def __init__(self, group, shape, dtype: torch.dtype, device: torch.device):
-        self.group, self.rank = group, dist.get_rank(group)
-        self.parts = torch.empty((dist.get_world_size(group),) + tuple(shape), dtype=dtype, device=device)
-
-    def send(self, r: int, part: torch.Tensor, row: int = 0) -> None:
-        self.parts[r][row:row + part.shape[0]].copy_(part)
-
-    def finish(self, own: torch.Tensor) -> torch.Tensor:
-        self.parts[self.rank].copy_(own)
-        return comm.reduce_scatter(self.parts, 0, self.group)[0]
-
-    def finish_matmul(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.finish(a @ w)
-
-    def finish_parts(self, own: torch.Tensor) -> List[torch.Tensor]:
-        return [self.finish(own)]
-
-
-def _all_gather(x: torch.Tensor, group, keep: bool = True, whole: bool = False,
-                owner: Optional[torch.Tensor] = None):
-    """The all-gather of x over group, each rank's part usable as it arrives; keep=False: `finish`
-    need not return the gathered tensor (the copy engines then copy nothing out); whole: `whole()`
-    may give every part as one tensor (or None: then by `piece`). keep with `owner` (the layer's first
-    weight), in the work a CUDA graph captures: the parts arrive in a buffer of the owner's own
-    (peer_collectives.kept_buffer), which `finish` returns as it is: nothing copied out, the capture
-    guaranteeing the one backward per forward that keeps it valid."""
-    if copy_engines_reach(x, group):
-        kept = _kept_buffer(x.shape, x.dtype, x.device, group, owner) if keep and owner is not None else None
-        pushes = peer_collectives.side_stream(x.device)
-        return peer_collectives.PeerAllGather(x, group, pushes, keep=keep, by_piece=True,
-                                              whole=whole, kept=kept)
-    return _GroupAllGather(x, group)
-
-
-def _kept_buffer(shape, dtype: torch.dtype, device: torch.device, group, owner: torch.Tensor):
-    """The buffer of owner's own that a kept all-gather of a [shape] dtype input over group (copy engines
-    reaching it) lands in, in the work a CUDA graph captures (peer_collectives.kept_buffer); else None."""
-    if not peer_collectives.capturing_for_graphs():
-        return None
-    nbytes = dist.get_world_size(group) * math.prod(shape) * dtype.itemsize
-    return peer_collectives.kept_buffer(owner, group, device, nbytes)
-
-
-def kept_input_part(like: torch.Tensor, group, owner: torch.Tensor) -> Optional[torch.Tensor]:
-    """Where this rank's rows of a kept all-gather (`_ColumnLinearOverPeers` keeping its input, owner its
-    first weight) lie in the owner's buffer, as a [like.shape] tensor of the dtype the layer computes
-    in for input `like`: a producer that writes the layer's input there spares the gather its copy.
-    None where the gather keeps nothing in such a buffer (outside a graph capture, or the copy
-    engines not reaching the group)."""
-    if not (peer_collectives.capturing_for_graphs() and copy_engines_reach(like, group)):
-        return None
-    dtype = linear_compute_dtype(like)
-    kept = _kept_buffer(like.shape, dtype, like.device, group, owner)
-    return None if kept is None else peer_collectives.kept_part(kept, group, like.shape, dtype)
-
-
-def row_grad_part(group, shape, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
-    """Where the next row layer's backward on group (`_RowLinearOverPeers`, or the serial gather of the
-    work a graph captures) all-gathers a grad_y [shape] of dtype and finds this rank's rows without
-    copying them: in the work a CUDA graph captures over copy engines that reach the group, this
-    rank's slot of the buffer that gather takes, reserved for it (peer_collectives.reserve_gather_part);
-    None elsewhere. For grad_y's producer, the norm after the layer (ParallelNorm.x_grad_into), whose
-    backward must be followed on the group by that gather."""
-    if not (peer_collectives.capturing_for_graphs() and device.type == "cuda"
-            and copy_engines_reach(torch.empty(0, device=device), group)):
-        return None
-    return peer_collectives.reserve_gather_part(group, shape, dtype, device)
-
-
-def _reduce_scatter(group, shape, like: torch.Tensor):
-    if copy_engines_reach(like, group):
-        pushes = peer_collectives.side_stream(like.device)
-        return peer_collectives.PeerReduceScatter(group, shape, like.dtype, like.device, pushes)
-    return _GroupReduceScatter(group, shape, like.dtype, like.device)
 
 
 def _peers_first(rank: int, world: int) -> List[int]:
@@ -290,7 +171,7 @@ def _send_peer_parts(a: torch.Tensor, w: torch.Tensor, group):
     projection): there the GEMM is short next to its transfer, which then starts early."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     m = a.shape[0] // world
-    pending = _reduce_scatter(group, (m, w.shape[1]), a)
+    pending = transfers.reduce_scatter(group, (m, w.shape[1]), a)
     first_chunks = SEND_CHUNKS if a.shape[1] < CHUNK_BELOW_INNER else 1
     for i, r in enumerate(_peers_first(rank, world)):
         for rows in _chunks(m, first_chunks if i == 0 else 1):
@@ -318,7 +199,7 @@ def _send_all_parts(a: torch.Tensor, w: torch.Tensor, group):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     m = a.shape[0] // world
     product = a @ w  # [world*m, n]
-    pending = _reduce_scatter(group, (m, w.shape[1]), a)
+    pending = transfers.reduce_scatter(group, (m, w.shape[1]), a)
     for r in _peers_first(rank, world):
         pending.send(r, product[r * m:(r + 1) * m])
     return pending, product[rank * m:(rank + 1) * m]
@@ -353,7 +234,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         with _no_autocast(rows):
             w_c = stacked_cast(weights, dtype, casts)  # [sum out_i/tp, in]
             b_c = None if biases[0] is None else stacked_cast(biases, dtype, casts)
-            gather = _all_gather(rows, group, keep=save_gathered, owner=weights[0])
+            gather = transfers.all_gather(rows, group, keep=save_gathered, owner=weights[0])
             out = rows.new_empty((world * rows.shape[0], w_c.shape[0]))  # [s*b, sum out_i/tp]
             _gather_multiply(gather, w_c.t(), b_c, out)
             x_full = gather.finish()  # [s*b, in] (None when not kept)
@@ -377,7 +258,7 @@ class _ColumnLinearOverPeers(torch.autograd.Function):
         else:
             grad_y = _rows(grads[0]).contiguous() if n == 1 else concat_rows(grads)  # no copy if already one buffer
         with _no_autocast(x_saved):
-            gather = None if ctx.save_gathered else _all_gather(x_saved, ctx.group, keep=False, whole=True)
+            gather = None if ctx.save_gathered else transfers.all_gather(x_saved, ctx.group, keep=False, whole=True)
             holding = gather is None and _holds(ctx.held, ctx.param_dtypes[:n])
             own = None  # this rank's part of grad_x, where computed before the weight gradient
             if ctx.n_ports and gather is None and not holding and _one_input_grad_gemm(w_c.shape[0], world):
@@ -439,7 +320,7 @@ class _RowLinearOverPeers(torch.autograd.Function):
         h, w = ctx.saved_tensors
         with _no_autocast(h):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
-            gather = _all_gather(grad_rows, ctx.group, keep=False, whole=True)
+            gather = transfers.all_gather(grad_rows, ctx.group, keep=False, whole=True)
             grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
             grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held, ctx.main_grad)  # [out, in/tp]
             grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
