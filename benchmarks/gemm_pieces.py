@@ -9,7 +9,10 @@ the input-gradient GEMMs of the blocks of gpt-2.7b and llama-1b at tp=2 and tp=4
   row layer (output, down)   grad_h = grad_y [tokens, hidden] @ W [hidden, in/tp]
 
 Each form is captured in a CUDA graph of 20 calls; the two graphs are replayed alternately 7 times
-and the medians printed, us per call. Run it as the layers run at tp > 1, without a cuBLAS workspace:
+and the medians printed, us per call. A second table times the weight-gradient GEMMs, which stay one
+GEMM over every row but narrow with tp (grad_y^T x written in fp32, as tpflash.kernels.weight_grad
+runs them), at tp = 1, 2 and 4, against 1/tp of tp=1's. Run it as the layers run at tp > 1, without a
+cuBLAS workspace:
 
     CUBLAS_WORKSPACE_CONFIG=:0:0 python benchmarks/gemm_pieces.py
 """
@@ -63,6 +66,27 @@ def compare(k: int, n: int, tp: int) -> tuple:
     return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
+def weight_grad_us(rows_out: int, cols_in: int) -> float:
+    """us per call of grad_y^T x in fp32: grad_y [TOKENS, rows_out], x [TOKENS, cols_in], bf16."""
+    grad_y = torch.randn(TOKENS, rows_out, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(TOKENS, cols_in, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows_out, cols_in, device="cuda", dtype=torch.float32)
+    graph = graphed(lambda: torch.mm(grad_y.t(), x, out_dtype=torch.float32, out=out))
+    return statistics.median(us_per_call(graph) for _ in range(ROUNDS))
+
+
+def weight_grads() -> None:
+    print("\n| model | layer | tp=1, us | tp=2, us (over 1/2 of tp=1) | tp=4, us (over 1/4 of tp=1) |")
+    print("|---|---|---:|---:|---:|")
+    for model, widths in WIDTHS.items():
+        hidden = HIDDEN[model]
+        for layer, width in widths.items():
+            times = {tp: weight_grad_us(*((width // tp, hidden) if layer in ("qkv", "up") else (hidden, width // tp)))
+                     for tp in (1, 2, 4)}
+            cells = [f"{times[tp]:.1f} ({times[tp] * tp / times[1] - 1:+.0%})" for tp in (2, 4)]
+            print(f"| {model} | {layer} | {times[1]:.1f} | {cells[0]} | {cells[1]} |", flush=True)
+
+
 def main() -> None:
     print("| model | layer | tp | GEMM | one GEMM, us | a GEMM per rank, us | difference |")
     print("|---|---|---:|---|---:|---:|---:|")
@@ -74,6 +98,7 @@ def main() -> None:
                 one, per_rank = compare(k, n, tp)
                 print(f"| {model} | {layer} | {tp} | [{TOKENS} x {k}] @ [{k} x {n}] | {one:.1f} | {per_rank:.1f} | "
                       f"{per_rank - one:+.1f} |", flush=True)
+    weight_grads()
 
 
 if __name__ == "__main__":
