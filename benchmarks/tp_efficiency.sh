@@ -8,7 +8,9 @@
 # AGAINST: another checkout of tpflash (e.g. `git worktree add <tree> HEAD~1`) to measure a change
 # against, in the same call: the launches above with this tree ($OUT/this1), with that one
 # ($OUT/against), with this one again ($OUT/this2), then each run's table and every layout's step
-# time against that tree's.
+# time against that tree's. The tree launched in the middle has run up to 0.8% faster whichever it
+# was (docs/performance.md, "TP efficiency"): for a change of under 1%, run it a second time from
+# the other checkout with AGAINST= this one, and take both orders together.
 set -uo pipefail
 OUT=${OUT:-/tmp/tpflash-tp-efficiency}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the launches cd
 if [ -n "${AGAINST:-}" ]; then AGAINST=$(cd "$AGAINST" && pwd) || exit 2; fi
