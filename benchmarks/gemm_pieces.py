@@ -66,23 +66,31 @@ def compare(k: int, n: int, tp: int) -> tuple:
     return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
-def weight_grad_us(rows_out: int, cols_in: int) -> float:
-    """us per call of grad_y^T x in fp32: grad_y [TOKENS, rows_out], x [TOKENS, cols_in], bf16."""
-    grad_y = torch.randn(TOKENS, rows_out, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(TOKENS, cols_in, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(rows_out, cols_in, device="cuda", dtype=torch.float32)
-    graph = graphed(lambda: torch.mm(grad_y.t(), x, out_dtype=torch.float32, out=out))
-    return statistics.median(us_per_call(graph) for _ in range(ROUNDS))
+def weight_grad_graphs(widths: dict) -> dict:
+    """tp -> (a graph of CALLS weight-gradient GEMMs grad_y^T x in fp32, its operands): grad_y [TOKENS,
+    rows_out], x [TOKENS, cols_in], bf16, for widths: tp -> (rows_out, cols_in)."""
+    graphs = {}
+    for tp, (rows_out, cols_in) in widths.items():
+        grad_y = torch.randn(TOKENS, rows_out, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(TOKENS, cols_in, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(rows_out, cols_in, device="cuda", dtype=torch.float32)
+        graph = graphed(lambda g=grad_y, x=x, o=out: torch.mm(g.t(), x, out_dtype=torch.float32, out=o))
+        graphs[tp] = (graph, (grad_y, x, out))  # the operands alive as long as the graph that uses them
+    return graphs
 
 
 def weight_grads() -> None:
+    """The weight-gradient GEMMs at tp = 1, 2, 4, their graphs replayed in turn (a GPU at its power cap
+    slows down under a long run of GEMMs: timing one width after another would favour the first)."""
     print("\n| model | layer | tp=1, us | tp=2, us (over 1/2 of tp=1) | tp=4, us (over 1/4 of tp=1) |")
     print("|---|---|---:|---:|---:|")
     for model, widths in WIDTHS.items():
         hidden = HIDDEN[model]
         for layer, width in widths.items():
-            times = {tp: weight_grad_us(*((width // tp, hidden) if layer in ("qkv", "up") else (hidden, width // tp)))
-                     for tp in (1, 2, 4)}
+            graphs = weight_grad_graphs({tp: (width // tp, hidden) if layer in ("qkv", "up") else (hidden, width // tp)
+                                         for tp in (1, 2, 4)})
+            rounds = [{tp: us_per_call(graph) for tp, (graph, _) in graphs.items()} for _ in range(ROUNDS)]
+            times = {tp: statistics.median(r[tp] for r in rounds) for tp in graphs}
             cells = [f"{times[tp]:.1f} ({times[tp] * tp / times[1] - 1:+.0%})" for tp in (2, 4)]
             print(f"| {model} | {layer} | {times[1]:.1f} | {cells[0]} | {cells[1]} |", flush=True)
 
