@@ -237,6 +237,8 @@ def one_all_reduce_body(tp):
     ps = init_tp(tp)
     model = twins(config(True), ps.device)[0]
     model.capture_cuda_graphs(BATCH, SEQ)
+    given = [(b.block_weights.casts, b.block_weights.aliases) for b in model.blocks]
+    assert given == [(None, None)] * len(model.blocks), "the stack's casts and aliases outlived the capture"
     partial = [p for block in model.blocks for p in block.tp_partial_grad_parameters()]
     x = model.embed(batch(1, ps.device)[0]).detach().requires_grad_(True)
     calls, real_all_reduce = [], comm.all_reduce
