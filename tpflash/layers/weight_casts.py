@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+
 def _key(tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
 

@@ -190,8 +190,8 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
     (peer_collectives.PeerReduceScatter.finish_parts), return the sum's parts unsummed, a tuple
     [s/tp, b, out] each, this rank's own first (the only one with a gradient), for a consumer that
     adds them in its own pass (kernels.layer_norm / rms_norm take them as x); elsewhere the sum.
-    casts: as in all_gather_linear. Raises ValueError, before any collective, when s is not divisible by tp or the bias has the
-    wrong size. Process group: `group`.
+    casts: as in all_gather_linear. Raises ValueError, before any collective, when s is not divisible
+    by tp or the bias has the wrong size. Process group: `group`.
     """
     world = group_size(group)
     if world == 1:
