@@ -277,3 +277,15 @@ def row_grads_body(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_blocks_norms_write_the_row_layers_output_gradients_only_where_their_gathers_come_next(ranks, tp):
     ranks(tp).run(row_grads_body, tp)
+
+
+@pytest.mark.parametrize("ffn,family,fp8,pairs", [(HIDDEN, "gpt2", "off", True), (FFN, "gpt2", "off", False),
+                                                  (HIDDEN, "llama", "off", False), (HIDDEN, "gpt2", "rowwise", False)],
+                         ids=["same-shape", "4x-at-tp1", "swiglu", "fp8"])
+def test_a_block_holds_its_down_projections_weight_gradient_only_where_it_batches_with_the_ups(ffn, family, fp8,
+                                                                                                 pairs):
+    """The down projection's weight gradient is held for the output projection's backward (to run in one
+    batched GEMM with the up projection's) only where the two have one shape, without a gate or fp8."""
+    block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=ffn, fp8=fp8, **(GPT2 if family == "gpt2" else LLAMA))
+    assert block.mlp.pairs_weight_grads() is pairs
+    assert block.mlp.down_proj.weight_grad_held_for is (block.held_work if pairs else None)

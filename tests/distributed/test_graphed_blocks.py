@@ -287,6 +287,11 @@ def test_graphed_gpt_holds_weight_gradients_for_the_output_projection_and_trains
 
 
 @pytest.mark.cpu_ranks
+def test_graphed_gpt_batches_same_shape_mlp_weight_gradients_and_trains_like_the_eager_gpt(ranks):
+    ranks(2).run(paired_held_body, 2)
+
+
+@pytest.mark.cpu_ranks
 @pytest.mark.parametrize("checkpointing", [None, "full"])
 def test_the_graphed_stack_casts_each_next_blocks_weights_in_the_output_projections_wait(ranks, checkpointing):
     ranks(2).run(casts_in_waits_body, 2, checkpointing)
@@ -460,12 +465,12 @@ def held_gemms_body(tp, overlap_on):
     same sums in the same order) and the number of weight-gradient GEMMs its blocks held back for
     their output projections' backward."""
     from tpflash.parallel.held_work import HeldWork
-    held, real = [], HeldWork.hold
-    HeldWork.hold = lambda self, work: (held.append(1) if self.holds_gradients else None) or real(self, work)
+    held, real = [], HeldWork.hold_weight_grad
+    HeldWork.hold_weight_grad = lambda self, *a, **k: held.append(1) or real(self, *a, **k)
     try:
         train_body(tp, True, 2, 2, overlap_on, "auto", overlap_eager=True)
     finally:
-        HeldWork.hold = real
+        HeldWork.hold_weight_grad = real
     return len(held)
 
 
@@ -474,6 +479,22 @@ def overlap_held_body(tp):
     its output projection's backward inside the graphs, and the graphed GPT trains like the eager one."""
     held = held_gemms_body(tp, True)
     assert held >= config(True).n_layer * 2 * 2, f"{held} weight-gradient GEMMs held back"
+
+
+def paired_held_body(tp):
+    """Where a block's up and down projections have weight gradients of one shape (ffn_hidden / tp ==
+    n_embd: here at tp=2), both are held back for its output projection's backward and run there as
+    one batched GEMM, and the graphed GPT trains like the eager one."""
+    from tpflash.parallel import held_work
+    cfg = config(True)
+    assert cfg.ffn_hidden // tp == cfg.n_embd, "the test's config must pair the MLP's gradients at this tp"
+    batches, real = [], held_work.weight_grads_fp32
+    held_work.weight_grads_fp32 = lambda grads, xs, **kw: batches.append(len(grads)) or real(grads, xs, **kw)
+    try:
+        train_body(tp, True, 2, 2, True, "auto", overlap_eager=True)
+    finally:
+        held_work.weight_grads_fp32 = real
+    assert batches and set(batches) == {2}, f"the held weight gradients' batches: {batches}"
 
 
 def kept_inputs_body(tp):

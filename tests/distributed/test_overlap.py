@@ -184,6 +184,45 @@ def held_body(tp):
         assert torch.equal(a, b), f"{name} grad differs when the up projection's weight gradient is held"
 
 
+def paired_body(tp):
+    """An output projection, an up projection and a down projection whose weight gradients have one shape,
+    as in a block with a 4x MLP at tp=4: with holding on, the down projection holds its weight gradient
+    over its gathered grad_y, the up projection its own, and the output projection's backward runs both
+    as one batch; every gradient is the one computed at once, bit for bit (fp32: one GEMM each)."""
+    from tpflash.parallel import held_work
+    from tpflash.parallel.held_work import HeldWork, holding_gradients
+    ps = init_tp(tp)
+    h_local = _randn(ps, torch.float32, SEQ, BATCH, IN // tp, seed=10 + ps.tp_rank)
+    w_o = _randn(ps, torch.float32, OUT, IN // tp, seed=11 + ps.tp_rank)
+    w_up = _randn(ps, torch.float32, OUT, OUT, seed=12 + ps.tp_rank)  # [ffn/tp, hidden], ffn/tp == hidden
+    w_down = _randn(ps, torch.float32, OUT, OUT, seed=13 + ps.tp_rank)  # [hidden, ffn/tp]
+    grad = _randn(ps, torch.float32, SEQ // tp, BATCH, OUT, seed=14 + ps.tp_rank)
+
+    def run(held):
+        h, wo, wu, wd = (t.clone().requires_grad_() for t in (h_local, w_o, w_up, w_down))
+        y = overlap.linear_reduce_scatter(h, wo, ps.tp_group, held=held)  # [SEQ/tp, BATCH, OUT]
+        up, = overlap.all_gather_linear(y, [wu], None, ps.tp_group, save_gathered_input=True, held=held)
+        down = overlap.linear_reduce_scatter(torch.relu(up), wd, ps.tp_group, grad_held_for=held)
+        with holding_gradients([held] if held is not None else []):  # as GraphedBlocks: the gradients read after it
+            return torch.autograd.grad(down, (h, wo, wu, wd), grad)
+
+    at_once = run(None)
+    held, batches, pending_at_run = HeldWork(), [], []
+    run_held, batch = held.run, held_work.weight_grads_fp32
+    held.run = lambda: pending_at_run.append(len(held.pending)) or run_held()
+    held_work.weight_grads_fp32 = lambda grads, xs, **kw: batches.append(len(grads)) or batch(grads, xs, **kw)
+    try:
+        got = run(held)
+    finally:
+        held_work.weight_grads_fp32 = batch
+    # the output projection's forward (nothing held), its backward (the down and up GEMMs), the end
+    assert pending_at_run == [0, 2, 0], f"held work pending at each run: {pending_at_run}"
+    assert batches == [2], f"the held weight gradients' batches: {batches}"
+    for name, a, b in zip(("input", "output projection weight", "up projection weight", "down projection weight"),
+                          got, at_once):
+        assert torch.equal(a, b), f"{name} grad differs when the MLP's weight gradients are held and batched"
+
+
 def autocast_body(tp):
     """Under bf16 autocast the overlapped MLP computes in bf16 like F.linear would (same output dtype),
     and returns fp32 parameter gradients, matching the plain path."""
@@ -260,6 +299,11 @@ def test_linear_reduce_scatter_matches_reference(ranks, tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_held_weight_gradient_runs_in_the_next_row_backward_and_equals_the_one_at_once(ranks, tp):
     ranks(tp).run(held_body, tp)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_same_shape_up_and_down_weight_gradients_are_held_and_batched_and_equal_the_ones_at_once(ranks, tp):
+    ranks(tp).run(paired_body, tp)
 
 
 def test_overlap_under_bf16_autocast_matches_overlap_off(ranks):
@@ -470,6 +514,7 @@ def all_bodies(tp):
         linear_reduce_scatter_body(tp)
         autocast_body(tp)
         held_body(tp)
+        paired_body(tp)
         block_on_off_body(tp, "swiglu", 1)
         block_on_off_body(tp, "gelu", 4)
     finally:

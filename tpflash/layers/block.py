@@ -69,7 +69,8 @@ class ParallelTransformerBlock(nn.Module):
     largest) or "selective" (keep the GEMMs' and fused attention's outputs, recompute the rest: norms,
     activations, rotary; dropout 0). `held_work`: work held for the output projection's waits
     where a CUDA graph capture hands it over (GraphedBlocks; tpflash.parallel.held_work): the next
-    block's weight casts in the forward, the MLP's up-projection weight-gradient GEMM in the backward.
+    block's weight casts in the forward, the MLP's up-projection weight-gradient GEMM in the backward
+    (with the down projection's, batched, where the two have one shape: ParallelMLP.pairs_weight_grads).
     `block_weights` (tpflash.layers.block_weights): what its layers take in place of their parameters
     in a forward, the weights cast once and one alias per partial-gradient parameter; forward fills
     it, unless GraphedBlocks has for its capture.
@@ -121,6 +122,8 @@ class ParallelTransformerBlock(nn.Module):
         # work the output projection runs while its transfers travel (tpflash.parallel.held_work)
         self.held_work = HeldWork()
         self.mlp.held_work = self.attn.o_proj.held_work = self.held_work
+        if self.mlp.pairs_weight_grads():  # the down projection's weight gradient waits to be batched with the up's
+            self.mlp.down_proj.weight_grad_held_for = self.held_work
         # the output projection's reduce-scatter summed by mlp_norm's kernel, where nothing else reads
         # its output: no dropout on it, and no recomputation of it that would need the sum
         self.norm_sums_parts = not dropout and checkpoint in (None, "activation")

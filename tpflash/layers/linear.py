@@ -221,7 +221,10 @@ class RowParallelLinear(nn.Module):
     sequence_parallel, reduce-scattered along `seq_dim` to [seq/tp, *, out_features].
     The bias is replicated and added after the reduction (at tp=1, inside the GEMM). fp8: as
     ColumnParallelLinear's. `held_work` (None unless a block sets it): work held back for this
-    layer's waits, run on its overlapped path (tpflash.parallel.held_work). `output_parts` (False
+    layer's waits, run on its overlapped path (tpflash.parallel.held_work). `weight_grad_held_for`
+    (None unless a block sets it: the MLP's down projection where its weight gradient has the up
+    projection's shape): where its overlapped backward may hold its weight-gradient GEMM, to be
+    batched with the up projection's (tpflash.parallel.held_work). `output_parts` (False
     unless a block sets it, where a norm adds the output to the residual stream next): on the
     overlapped path inside a CUDA graph capture, the output comes as a tuple of parts whose sum it
     is (tpflash.parallel.overlap.linear_reduce_scatter), which kernels.layer_norm / rms_norm add
@@ -246,6 +249,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel, self.seq_dim = input_is_parallel, sequence_parallel, seq_dim
         self.overlap = overlap
         self.held_work: Optional[HeldWork] = None  # a block's: run on the overlapped path
+        self.weight_grad_held_for: Optional[HeldWork] = None  # a block's: where the weight gradient may wait
         self.output_parts = False  # a block's: the reduce-scatter's parts left to the next norm to add
         self.block_weights = BlockWeights()  # its block's, once in one
         self.tp_shard_specs = {"weight": ShardSpec(1, in_features)}
@@ -285,7 +289,8 @@ class RowParallelLinear(nn.Module):
         casts = self.block_weights.casts
         if self.fp8 == "off" and _pipelined(self):  # each peer's rows computed and sent while the next are computed
             return _overlap.linear_reduce_scatter(x, self.weight, self.process_group, self._bias_summed_over_tp(),
-                                                  self.held_work, self.output_parts, casts)
+                                                  self.held_work, self.output_parts, casts,
+                                                  self.weight_grad_held_for)
         if group_size(self.process_group) == 1:  # nothing to reduce: the bias rides in the GEMM's epilogue
             return linear(x, self.weight, self.bias, self.fp8, amaxes, casts)
         return self.reduce_partial_sum(linear(x, self.weight, fp8=self.fp8, fp8_amaxes=amaxes, casts=casts))

@@ -122,6 +122,14 @@ class ParallelMLP(nn.Module):
         h = Fp8Handoff(self.down_proj.fp8_history.x, E4M3) if not self.down_proj.local_padding else None
         return grad, h
 
+    def pairs_weight_grads(self) -> bool:
+        """Whether the up and down projections' weight gradients have one shape ([ffn/tp, hidden] and
+        [hidden, ffn/tp] with ffn/tp == hidden: a 4x MLP at tp=4), so that, both held for the output
+        projection's waits, they run as one batched GEMM (tpflash.parallel.held_work). Not with a gate
+        (the up/gate gradient is twice as tall), fp8 or the fused-dense path (their own GEMMs)."""
+        return (self.gate_proj is None and self.fp8 == "off" and not self.fused_dense
+                and self.up_proj.weight.shape == self.down_proj.weight.shape)
+
     def input_part(self, like: torch.Tensor) -> Optional[torch.Tensor]:
         """Where forward's x (shaped like `like`) may be written by its producer so that the up (and gate)
         projection's gather takes it without a copy (tpflash.layers.linear.column_input_part), or None."""

@@ -177,7 +177,8 @@ def gathered_input_part(like: torch.Tensor, owner: torch.Tensor, group,
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
                           bias: Optional[torch.Tensor] = None, held: Optional[HeldWork] = None,
-                          parts: bool = False, casts: Optional[PendingCast] = None
+                          parts: bool = False, casts: Optional[PendingCast] = None,
+                          grad_held_for: Optional[HeldWork] = None
                           ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
     """reduce_scatter_along_seq(F.linear(h, weight)) + bias, the GEMMs overlapped with the reduce-scatter.
 
@@ -190,7 +191,9 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
     (peer_collectives.PeerReduceScatter.finish_parts), return the sum's parts unsummed, a tuple
     [s/tp, b, out] each, this rank's own first (the only one with a gradient), for a consumer that
     adds them in its own pass (kernels.layer_norm / rms_norm take them as x); elsewhere the sum.
-    casts: as in all_gather_linear. Raises ValueError, before any collective, when s is not divisible
+    casts: as in all_gather_linear. grad_held_for: where the weight gradient may be held back, over the
+    gathered grad_y kept for it, to be computed with a held one of its shape in one batched GEMM
+    (tpflash.parallel.held_work), or None. Raises ValueError, before any collective, when s is not divisible
     by tp or the bias has the wrong size. Process group: `group`.
     """
     world = group_size(group)
@@ -201,5 +204,5 @@ def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group=None,
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the weight {tuple(weight.shape)}: "
                          f"it must be [{weight.shape[0]}] (one value per output feature)")
-    ys = _RowLinearOverPeers.apply(h, weight, bias, group, held, parts, casts)
+    ys = _RowLinearOverPeers.apply(h, weight, bias, group, held, parts, casts, grad_held_for)
     return ys if len(ys) > 1 else ys[0]

@@ -20,7 +20,9 @@ tpflash.parallel.overlap's entry points, and the GEMMs and transfers they are ma
   row backward     grad_h = all_gather(grad_y) @ W,         as the column forward (GEMMs held back from an
                    grad_W = all_gather(grad_y)^T h           earlier layer run after this rank's rows, while
                                                             the peers' travel), then the weight gradient in
-                                                            one GEMM over the gathered grad_y
+                                                            one GEMM over the gathered grad_y, or that GEMM
+                                                            held for a later layer (`grad_held_for`: the
+                                                            MLP's down projection, batched with the up's)
 
 Activations are sequence-first ([s/tp, b, feat] per rank), so "rank r's rows" are one contiguous
 block of [s*b, feat] and every piece is a plain GEMM into a slice of the output. The transfers come
@@ -108,10 +110,10 @@ def _weight_grad_now_or_held(held: Optional[HeldWork], grad_y: torch.Tensor, x: 
     if not _holds(held, weight_dtypes):
         return weight_grad_fp32(grad_y, x, into=main_grad)
     if main_grad is not None:
-        held.hold(lambda: weight_grad_fp32(grad_y, x, into=main_grad))
+        held.hold_weight_grad(grad_y, x, into=main_grad)
         return main_grad
     grad_w = torch.empty((grad_y.shape[1], x.shape[1]), dtype=torch.float32, device=grad_y.device)
-    held.hold(lambda: weight_grad_fp32(grad_y, x, out=grad_w))
+    held.hold_weight_grad(grad_y, x, out=grad_w)
     return grad_w
 
 
@@ -294,12 +296,15 @@ class _RowLinearOverPeers(torch.autograd.Function):
     """y_local = reduce_scatter_seq(h @ W^T) + b: h [s, b, in/tp] -> y_local [s/tp, b, out], returned
     as a tuple of one tensor, or with `parts` of several whose sum y_local is (this rank's own part
     first, the only differentiable one: y_local's gradient is its gradient); the bias's gradient is
-    this rank's tokens' part. casts: a block's weight casts (PendingCast), or None."""
+    this rank's tokens' part. casts: a block's weight casts (PendingCast), or None. grad_held_for:
+    where the weight-gradient GEMM may be held (HeldWork, while it holds gradients), over the gathered
+    grad_y kept for it (inside a graph capture in a buffer of the weight's own), or None."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, group, held, parts, casts):
+    def forward(ctx, h, weight, bias, group, held, parts, casts, grad_held_for):
         dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes, ctx.held = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype), held
+        ctx.grad_held_for, ctx.owner = grad_held_for, weight
         ctx.main_grad = main_grad_of([weight])  # where the weight gradient is added (tpflash.layers.main_grads)
         h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype, casts)
         with _no_autocast(h):
@@ -316,14 +321,22 @@ class _RowLinearOverPeers(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, *_received):
         if grad_y is None:  # nothing reached this rank's own part
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         h, w = ctx.saved_tensors
+        holding = _holds(ctx.grad_held_for, ctx.dtypes[1:2])
         with _no_autocast(h):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
-            gather = transfers.all_gather(grad_rows, ctx.group, keep=False, whole=True)
+            gather = transfers.all_gather(grad_rows, ctx.group, keep=holding, whole=True,
+                                          owner=ctx.owner if holding else None)
             grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
-            grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held, ctx.main_grad)  # [out, in/tp]
+            if holding:  # grad_h rank by rank as the pieces arrive; the weight gradient over the kept grad_y, later
+                _gather_multiply(gather, w, None, grad_h)
+                grad_w = _weight_grad_now_or_held(ctx.grad_held_for, gather.finish(), _rows(h), ctx.dtypes[1:2],
+                                                  ctx.main_grad)
+            else:
+                grad_w = _gather_multiply_both(gather, w, _rows(h), grad_h, ctx.held, ctx.main_grad)  # [out, in/tp]
             grad_b = column_sum(grad_rows).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
-            gather.finish()
+            if not holding:
+                gather.finish()
         grad_w = None if ctx.main_grad is not None else grad_w.to(ctx.dtypes[1])  # main_grad: added there
-        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w, grad_b, None, None, None, None
+        return grad_h.view(h.shape).to(ctx.dtypes[0]), grad_w, grad_b, None, None, None, None, None
