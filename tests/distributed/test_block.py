@@ -253,25 +253,31 @@ def row_grads_body(tp):
     no fp8 GEMMs; taken back, nowhere. A block after a block that recomputes its forward, or whose
     MLP gathers nothing, leaves attn_norm's alone (`output_grad_gathered_in_place`)."""
     init_tp(tp)
+    sp_block = lambda **kw: ParallelTransformerBlock(  # noqa: E731
+        HIDDEN, HEADS, **{"ffn_hidden": FFN, "sequence_parallel": True, **GPT2, **kw})
 
-    def writers(after_block=True, **kw):
-        block = ParallelTransformerBlock(HIDDEN, HEADS, ffn_hidden=FFN, **{"sequence_parallel": True, **GPT2, **kw})
-        block.norms_write_row_grads(True, after_block)
+    def writers(previous="block", **kw):
+        block = sp_block(**kw)
+        block.norms_write_row_grads(True, sp_block() if previous == "block" else previous)
         given = (block.attn_norm.x_grad_into is not None, block.mlp_norm.x_grad_into is not None)
-        block.norms_write_row_grads(False, after_block)
+        block.norms_write_row_grads(False)
         assert (block.attn_norm.x_grad_into, block.mlp_norm.x_grad_into) == (None, None)
         return given
     assert writers() == (True, True)
-    assert writers(after_block=False) == (False, True)
+    assert writers(previous=None) == (False, True)
+    assert writers(previous=sp_block(checkpoint="full")) == (False, True)
     assert writers(checkpoint="activation") == (True, True)
     for checkpoint in ("full", "mlp", "selective"):
         assert writers(checkpoint=checkpoint) == (False, False), checkpoint
     assert writers(fp8="rowwise") == (False, False)
     assert writers(sequence_parallel=False) == (False, False)
-    gathered = lambda **kw: ParallelTransformerBlock(  # noqa: E731
-        HIDDEN, HEADS, ffn_hidden=FFN, sequence_parallel=True, **{**GPT2, **kw}).output_grad_gathered_in_place
+    gathered = lambda **kw: sp_block(**kw).output_grad_gathered_in_place  # noqa: E731
     assert gathered() and gathered(checkpoint="activation")
     assert not gathered(checkpoint="full") and not gathered(fp8="rowwise")
+    # a down projection that keeps its gathered grad_y for a held weight gradient has it written into that buffer
+    assert sp_block(ffn_hidden=2 * HIDDEN * tp).output_grad_into().keywords["owner"] is None
+    paired = sp_block(ffn_hidden=HIDDEN * tp)
+    assert paired.output_grad_into().keywords["owner"] is paired.mlp.down_proj.weight
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -51,18 +51,23 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
     device = init_tp(tp).device if tp > 1 else torch.device("cuda")
     graphed, eager = twins(config(sequence_parallel, activation_checkpointing=checkpointing), device)
     calls = []  # all-gathers through the copy engines (tpflash.parallel.peer_collectives)
-    kept = []  # for each gather into a layer's kept buffer: whether this rank's rows were there already
+    kept = []  # for each gather into a layer's kept buffer: (its owner, whether this rank's rows were there already)
     in_slot = []  # for each other gather of its parts as one tensor: whether this rank's rows lay in its slot
-    real = peer_collectives.PeerAllGather
+    real, real_kept_buffer, owners = peer_collectives.PeerAllGather, peer_collectives.kept_buffer, {}
 
     class Counted(real):
         def __init__(self, *args, **kwargs):
             calls.append(1)
             super().__init__(*args, **kwargs)
             if self.kept is not None:
-                kept.append(self.own_copied is None)
+                kept.append((owners[id(self.kept)], self.own_copied is None))
             elif self.adjacent and peer_collectives.capturing_for_graphs():  # the warm-up's and capture's
                 in_slot.append(self.own_copied is None)
+
+    def kept_buffer(owner, *args):
+        buffer = real_kept_buffer(owner, *args)
+        owners[id(buffer)] = owner
+        return buffer
 
     parted = []  # how many parts each copy-engine reduce-scatter left unsummed for the next norm
     real_parts = peer_collectives.PeerReduceScatter.finish_parts
@@ -72,7 +77,7 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         parted.append(len(parts))
         return parts
 
-    peer_collectives.PeerAllGather = Counted
+    peer_collectives.PeerAllGather, peer_collectives.kept_buffer = Counted, kept_buffer
     peer_collectives.PeerReduceScatter.finish_parts = finish_parts
     try:
         overlap.set_overlap(graphed, overlap_on)  # None: the capture decides
@@ -83,7 +88,7 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         with environment(TPFLASH_COMM_BACKEND=comm_backend):
             _train(graphed, eager, device, steps, micro_batches, cpu_tol, accumulate_grads)
     finally:
-        peer_collectives.PeerAllGather = real
+        peer_collectives.PeerAllGather, peer_collectives.kept_buffer = real, real_kept_buffer
         peer_collectives.PeerReduceScatter.finish_parts = real_parts
     if device.type == "cuda" and tp > 1 and sequence_parallel and graphed._graphed_blocks.overlapped:
         # inside the capture the row layers' parts go to the next norm unsummed (where no block
@@ -95,11 +100,19 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         unsummed = (2 * layers - 1 if handing else 0) + (2 * layers if in_place and tp <= 4 else 0)
         assert parted.count(tp) == unsummed, f"the captured reduce-scatters handed {parted} parts, not {unsummed} x {tp}"
         # and the norms write their outputs where the q/k/v and up projections keep their gathered inputs
-        assert kept and all(kept) == in_place, f"the kept gathers found this rank's rows in place: {kept}"
-        # and, in the backward, their input's gradient where the row layers before them gather it: every
-        # row layer's but the last block's down projection's, whose gradient comes from outside the stack
-        placed = (2 * layers - 1) * in_slot.count(False) if in_place else 0
-        assert in_slot.count(True) == placed, f"the row layers' backward gathers found grad_y in place: {in_slot}"
+        downs = {id(b.mlp.down_proj.weight) for b in graphed.blocks if b.mlp.down_proj.weight_grad_held_for}
+        inputs = [found for owner, found in kept if id(owner) not in downs]
+        assert inputs and all(inputs) == in_place, f"the kept gathers found this rank's rows in place: {inputs}"
+        # and, in the backward, their input's gradient where the row layers before them gather it (into the
+        # down projections' kept buffers where they hold their weight gradients): every row layer's but
+        # the last block's down projection's, whose gradient comes from outside the stack
+        grads = [found for owner, found in kept if id(owner) in downs]
+        backwards = in_slot.count(False) + grads.count(False)
+        placed = (2 * layers - 1) * backwards if in_place else 0
+        assert in_slot.count(True) + grads.count(True) == placed, \
+            f"the row layers' backward gathers found grad_y in place: {in_slot}, kept: {grads}"
+        if downs and in_place:
+            assert len(grads) == layers * backwards, f"{len(grads)} gathers of grad_y kept in {backwards} backwards"
     if device.type == "cuda" and tp > 1 and sequence_parallel and comm_backend != "nccl":
         # captured collectives, serial or overlapped, go through the copy engines on GPUs with peer
         # access (test machines)

@@ -43,18 +43,20 @@ def test_each_gradient_equals_its_own_weight_grad_through_the_batched_gemm_on_gp
 
 
 @pytest.mark.gpu
-def test_the_batched_gemm_takes_operands_in_either_address_order_and_strided_rows():
-    grads, xs = _operands(DEVICE, n=3)
+def test_the_batched_gemm_takes_operands_in_any_address_order_and_strided_rows():
+    torch.manual_seed(1)
+    later = torch.randn(ROWS, OUT + 8, device=DEVICE).to(torch.bfloat16)
+    earlier_xs = [torch.randn(ROWS, IN, device=DEVICE).to(torch.bfloat16) for _ in range(2)]
     wide = torch.randn(ROWS, OUT + 8, device=DEVICE).to(torch.bfloat16)
-    grads = [grads[2], wide[:, 4:4 + OUT]]  # a view with rows OUT + 8 apart
-    assert batched(grads, xs[:2]) is False, "operands of different row strides were batched"
-    grads[0] = torch.randn(ROWS, OUT + 8, device=DEVICE).to(torch.bfloat16)[:, :OUT]  # after `wide`: xs ascend, grads not
-    xs = xs[:2]
-    assert batched(grads, xs)
-    out = [torch.empty(OUT, IN, device=DEVICE) for _ in grads]
-    weight_grads_fp32(grads, xs, out=out)
-    for i in range(2):
-        assert_rel(out[i], grads[i].float().t() @ xs[i].float(), torch.float32, f"gradient {i}")
+    grads = [wide[:, 8:8 + OUT], later[:, :OUT]]  # rows OUT + 8 apart; the grads' addresses descend, the xs' ascend
+    assert batched(grads, earlier_xs)
+    assert not batched([wide[:, 4:4 + OUT], later[:, :OUT]], earlier_xs), "a pointer off a 16-byte boundary"
+    assert not batched([wide[:, :OUT], grads[1].contiguous()], earlier_xs), "operands of different row strides"
+    for pair in (grads, [wide[:, 4:4 + OUT], later[:, :OUT]]):  # batched, and each on its own
+        out = [torch.empty(OUT, IN, device=DEVICE) for _ in pair]
+        weight_grads_fp32(pair, earlier_xs, out=out)
+        for i in range(2):
+            assert_rel(out[i], pair[i].float().t() @ earlier_xs[i].float(), torch.float32, f"gradient {i}")
 
 
 @pytest.mark.gpu

@@ -52,10 +52,11 @@ def _gemm_batched_ex():
 
 def batched(grad_ys: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> bool:
     """Whether `weight_grads_fp32(grad_ys, xs, ...)` is one batched GEMM here: 2 to MAX_BATCH gradients of
-    one shape and layout (rows contiguous), bf16 or fp16 operands on one CUDA device, and
-    cublasGemmBatchedEx found."""
+    one shape and layout (rows contiguous), bf16 or fp16 operands on one CUDA device, each starting on
+    a 16-byte boundary (cuBLAS's vector loads), and cublasGemmBatchedEx found."""
     first_g, first_x = grad_ys[0], xs[0]
     return (2 <= len(grad_ys) <= MAX_BATCH and first_g.is_cuda and first_g.dtype in _CUDA_TYPES
+            and all(t.data_ptr() % 16 == 0 for t in (*grad_ys, *xs))
             and first_g.stride(1) == 1 and first_x.stride(1) == 1
             and all(g.shape == first_g.shape and g.stride() == first_g.stride() and g.dtype == first_g.dtype
                     and g.device == first_g.device for g in grad_ys)
@@ -77,7 +78,8 @@ def weight_grads_fp32(grad_ys: Sequence[torch.Tensor], xs: Sequence[torch.Tensor
     if not (len(grad_ys) == len(xs) == len(results)):
         raise ValueError(f"weight_grads_fp32: {len(grad_ys)} grad_ys, {len(xs)} xs and {len(results)} results")
     rows, n_out, n_in = grad_ys[0].shape[0], grad_ys[0].shape[1], xs[0].shape[1]
-    fits = all(r.dtype == torch.float32 and r.shape == (n_out, n_in) and r.is_contiguous() for r in results)
+    fits = all(r.dtype == torch.float32 and r.shape == (n_out, n_in) and r.is_contiguous() and r.data_ptr() % 16 == 0
+               for r in results)
     if not (fits and batched(grad_ys, xs)):
         return [weight_grad_fp32(g, x, into=r if into is not None else None, out=r if out is not None else None)
                 for g, x, r in zip(grad_ys, xs, results)]

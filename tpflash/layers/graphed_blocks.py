@@ -179,14 +179,14 @@ class GraphedBlocks:
         handing = [b for b, nxt in zip(self.blocks, self.blocks[1:])
                    if hasattr(b, "hand_output_parts") and getattr(nxt, "norm_sums_parts", False)]
         taking = [b for b in self.blocks if hasattr(b, "take_input_grad_parts")]
-        writing = [(b, i > 0 and getattr(self.blocks[i - 1], "output_grad_gathered_in_place", False))
+        writing = [(b, self.blocks[i - 1] if i > 0 and hasattr(self.blocks[i - 1], "output_grad_into") else None)
                    for i, b in enumerate(self.blocks) if hasattr(b, "norms_write_row_grads")]
         for block in handing:
             block.hand_output_parts(True)
         for block in taking:
             block.take_input_grad_parts(True)
-        for block, after_block in writing:
-            block.norms_write_row_grads(True, after_block)
+        for block, previous in writing:
+            block.norms_write_row_grads(True, previous)
         try:
             yield
         finally:
@@ -195,7 +195,7 @@ class GraphedBlocks:
             for block in taking:
                 block.take_input_grad_parts(False)
             for block, _ in writing:
-                block.norms_write_row_grads(False, False)
+                block.norms_write_row_grads(False)
 
     # ---- what the graphs run --------------------------------------------------------------------
     def _run_blocks(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

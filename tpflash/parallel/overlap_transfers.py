@@ -115,16 +115,21 @@ def kept_input_part(like: torch.Tensor, group, owner: torch.Tensor) -> Optional[
     return None if kept is None else peer_collectives.kept_part(kept, group, like.shape, dtype)
 
 
-def row_grad_part(group, shape, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+def row_grad_part(group, shape, dtype: torch.dtype, device: torch.device,
+                  owner: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Where the next row layer's backward on group (overlap_gemms' row layer, or the serial gather of
     the work a graph captures) all-gathers a grad_y [shape] of dtype and finds this rank's rows without
     copying them: in the work a CUDA graph captures over copy engines that reach the group, this
-    rank's slot of the buffer that gather takes, reserved for it (peer_collectives.reserve_gather_part);
-    None elsewhere. For grad_y's producer, the norm after the layer (ParallelNorm.x_grad_into), whose
-    backward must be followed on the group by that gather."""
+    rank's slot of the buffer that gather takes, reserved for it (peer_collectives.reserve_gather_part),
+    or, for a row layer that keeps its gathered grad_y for a held weight gradient (`owner`: its weight),
+    this rank's part of that layer's kept buffer; None elsewhere. For grad_y's producer, the norm after
+    the layer (ParallelNorm.x_grad_into), whose backward must be followed on the group by that gather."""
     if not (peer_collectives.capturing_for_graphs() and device.type == "cuda"
             and copy_engines_reach(torch.empty(0, device=device), group)):
         return None
+    if owner is not None:
+        kept = _kept_buffer(shape, dtype, device, group, owner)
+        return peer_collectives.kept_part(kept, group, shape, dtype)
     return peer_collectives.reserve_gather_part(group, shape, dtype, device)
 
 
