@@ -188,7 +188,8 @@ def paired_body(tp):
     """An output projection, an up projection and a down projection whose weight gradients have one shape,
     as in a block with a 4x MLP at tp=4: with holding on, the down projection holds its weight gradient
     over its gathered grad_y, the up projection its own, and the output projection's backward runs both
-    as one batch; every gradient is the one computed at once, bit for bit (fp32: one GEMM each)."""
+    as one batch; every gradient is the one computed at once (fp32: one GEMM each), bit for bit on CPU; on
+    GPUs cuBLAS may pick another kernel for the kept copy of grad_y than for the shared buffer's view."""
     from tpflash.parallel import held_work
     from tpflash.parallel.held_work import HeldWork, holding_gradients
     ps = init_tp(tp)
@@ -220,7 +221,11 @@ def paired_body(tp):
     assert batches == [2], f"the held weight gradients' batches: {batches}"
     for name, a, b in zip(("input", "output projection weight", "up projection weight", "down projection weight"),
                           got, at_once):
-        assert torch.equal(a, b), f"{name} grad differs when the MLP's weight gradients are held and batched"
+        what = f"{name} grad when the MLP's weight gradients are held and batched"
+        if a.is_cuda:
+            assert_close(a, b, what, tol=1e-6)
+        else:
+            assert torch.equal(a, b), what
 
 
 def autocast_body(tp):
