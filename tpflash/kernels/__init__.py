@@ -4,7 +4,8 @@ Public kernels: flash_attention, layer_norm, rms_norm, apply_rotary, column_sum 
 concat_with_column_sum), bias_activation, swiglu (silu(gate) * up), sum_parts (tensors added in
 fp32 and rounded once), the
 cross-entropy row kernels used by tpflash.losses, weight_grad_fp32 (a weight gradient written in
-fp32 by the GEMM), and fused_dense / fused_dense_gelu_dense (the optional
+fp32 by the GEMM; several of one shape as one cuBLAS batched GEMM: tpflash.kernels.batched_weight_grad),
+and fused_dense / fused_dense_gelu_dense (the optional
 csrc/ extension). The fp8 casts and scaled GEMM live in tpflash.kernels.fp8 (imported by the fp8 layers). `use_backend("triton"|"reference"|"auto")` or the environment variable
 TPFLASH_KERNELS picks the implementation (auto: Triton on CUDA, reference on CPU).
 """
