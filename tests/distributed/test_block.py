@@ -275,9 +275,11 @@ def row_grads_body(tp):
     assert gathered() and gathered(checkpoint="activation")
     assert not gathered(checkpoint="full") and not gathered(fp8="rowwise")
     # a down projection that keeps its gathered grad_y for a held weight gradient has it written into that buffer
-    assert sp_block(ffn_hidden=2 * HIDDEN * tp).output_grad_into().keywords["owner"] is None
+    # (where weight gradients are held: no gradient hooks)
+    assert sp_block(ffn_hidden=2 * HIDDEN * tp).output_grad_into(holding=True).keywords["owner"] is None
     paired = sp_block(ffn_hidden=HIDDEN * tp)
-    assert paired.output_grad_into().keywords["owner"] is paired.mlp.down_proj.weight
+    assert paired.output_grad_into(holding=True).keywords["owner"] is paired.mlp.down_proj.weight
+    assert paired.output_grad_into(holding=False).keywords["owner"] is None
 
 
 @pytest.mark.parametrize("tp", [2, 4])

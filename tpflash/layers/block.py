@@ -159,29 +159,31 @@ class ParallelTransformerBlock(nn.Module):
         self.attn_norm.grad_ports = ports if able else 0
         self.mlp_norm.grad_ports = ports if able and not self.mlp.fused_dense else 0
 
-    def norms_write_row_grads(self, enabled: bool, previous: Optional["ParallelTransformerBlock"] = None) -> None:
+    def norms_write_row_grads(self, enabled: bool, previous: Optional["ParallelTransformerBlock"] = None,
+                              holding: bool = False) -> None:
         """Whether the norms write the gradient of their input, a row layer's output, where that layer's
         backward all-gathers it (ParallelNorm.x_grad_into: overlap_transfers.row_grad_part, inside a CUDA
         graph capture over the copy engines), sparing the gather its copy of this rank's rows: mlp_norm
         for the output projection and, where this block's input is the output of the block `previous`,
-        attn_norm for that block's down projection (`previous.output_grad_into`). Only under sequence
+        attn_norm for that block's down projection (`previous.output_grad_into(holding)`; `holding`:
+        whether the capture holds weight gradients, tpflash.parallel.held_work). Only under sequence
         parallelism (where a row layer's backward starts with that gather), where nothing is recomputed
         between the two backwards and no fp8 layer casts the gradient first. GraphedBlocks sets it for
         its capture."""
         able = (enabled and self.sequence_parallel and group_size(self.process_group) > 1
                 and self.checkpoint in (None, "activation") and self.fp8 == "off")
         self.mlp_norm.x_grad_into = functools.partial(row_grad_part, sublayer_group(self.process_group)) if able else None
-        self.attn_norm.x_grad_into = previous.output_grad_into() if able and previous is not None else None
+        self.attn_norm.x_grad_into = previous.output_grad_into(holding) if able and previous is not None else None
 
-    def output_grad_into(self):
+    def output_grad_into(self, holding: bool = False):
         """Where the norm after this block may write this block's output gradient (a norm's x_grad_into):
-        where the down projection's backward gathers it (its kept buffer where it keeps it for a held
-        weight gradient: overlap_transfers.row_grad_part), or None where this block's
-        `output_grad_gathered_in_place` is False."""
+        where the down projection's backward gathers it (overlap_transfers.row_grad_part: its kept buffer
+        where, weight gradients being held (`holding`), it keeps grad_y for its own), or None where this
+        block's `output_grad_gathered_in_place` is False."""
         if not self.output_grad_gathered_in_place:
             return None
         down = self.mlp.down_proj
-        owner = down.weight if down.weight_grad_held_for is not None else None
+        owner = down.weight if holding and down.weight_grad_held_for is not None else None
         return functools.partial(row_grad_part, sublayer_group(self.process_group), owner=owner)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

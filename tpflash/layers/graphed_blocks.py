@@ -186,7 +186,7 @@ class GraphedBlocks:
         for block in taking:
             block.take_input_grad_parts(True)
         for block, previous in writing:
-            block.norms_write_row_grads(True, previous)
+            block.norms_write_row_grads(True, previous, holding=bool(self.held))
         try:
             yield
         finally:
