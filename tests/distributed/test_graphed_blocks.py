@@ -9,7 +9,7 @@ import torch
 from tests.distributed.checks import assert_close, environment, init_tp
 from tests.models.reference import assert_grad_close
 from tpflash.models import GPT, GPTConfig
-from tpflash.parallel import comm, overlap, overlap_gemms, peer_collectives
+from tpflash.parallel import comm, overlap, overlap_gemms, overlap_transfers, peer_collectives
 
 VOCAB, SEQ, BATCH = 101, 8, 2
 
@@ -100,7 +100,9 @@ def train_body(tp, sequence_parallel, steps=3, micro_batches=2, overlap_on=False
         unsummed = (2 * layers - 1 if handing else 0) + (2 * layers if in_place and tp <= 4 else 0)
         assert parted.count(tp) == unsummed, f"the captured reduce-scatters handed {parted} parts, not {unsummed} x {tp}"
         # and the norms write their outputs where the q/k/v and up projections keep their gathered inputs
-        downs = {id(b.mlp.down_proj.weight) for b in graphed.blocks if b.mlp.down_proj.weight_grad_held_for}
+        pairing = any(b.mlp.down_proj.weight_grad_held_for for b in graphed.blocks)
+        downs = {id(overlap_transfers.held_grad_y_owner(b.mlp.down_proj.process_group)) for b in graphed.blocks} \
+            if pairing else set()
         inputs = [found for owner, found in kept if id(owner) not in downs]
         assert inputs and all(inputs) == in_place, f"the kept gathers found this rank's rows in place: {inputs}"
         # and, in the backward, their input's gradient where the row layers before them gather it (into the

@@ -177,14 +177,13 @@ class ParallelTransformerBlock(nn.Module):
 
     def output_grad_into(self, holding: bool = False):
         """Where the norm after this block may write this block's output gradient (a norm's x_grad_into):
-        where the down projection's backward gathers it (overlap_transfers.row_grad_part: its kept buffer
-        where, weight gradients being held (`holding`), it keeps grad_y for its own), or None where this
-        block's `output_grad_gathered_in_place` is False."""
+        where the down projection's backward gathers it (overlap_transfers.row_grad_part: the buffer where,
+        weight gradients being held (`holding`), it keeps grad_y for its own), or None where this block's
+        `output_grad_gathered_in_place` is False."""
         if not self.output_grad_gathered_in_place:
             return None
-        down = self.mlp.down_proj
-        owner = down.weight if holding and down.weight_grad_held_for is not None else None
-        return functools.partial(row_grad_part, sublayer_group(self.process_group), owner=owner)
+        kept = holding and self.mlp.down_proj.weight_grad_held_for is not None
+        return functools.partial(row_grad_part, sublayer_group(self.process_group), kept=kept)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return self.rng_tracker.dropout(x, self.dropout, sharded=self.sequence_parallel, training=self.training)

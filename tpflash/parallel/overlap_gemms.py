@@ -298,13 +298,14 @@ class _RowLinearOverPeers(torch.autograd.Function):
     first, the only differentiable one: y_local's gradient is its gradient); the bias's gradient is
     this rank's tokens' part. casts: a block's weight casts (PendingCast), or None. grad_held_for:
     where the weight-gradient GEMM may be held (HeldWork, while it holds gradients), over the gathered
-    grad_y kept for it (inside a graph capture in a buffer of the weight's own), or None."""
+    grad_y kept for it (inside a graph capture in the group's buffer for those,
+    overlap_transfers.held_grad_y_owner), or None."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, group, held, parts, casts, grad_held_for):
         dtype = linear_compute_dtype(h)
         ctx.group, ctx.dtypes, ctx.held = group, (h.dtype, weight.dtype, None if bias is None else bias.dtype), held
-        ctx.grad_held_for, ctx.owner = grad_held_for, weight
+        ctx.grad_held_for = grad_held_for
         ctx.main_grad = main_grad_of([weight])  # where the weight gradient is added (tpflash.layers.main_grads)
         h, w = h.to(dtype).contiguous(), stacked_cast([weight], dtype, casts)
         with _no_autocast(h):
@@ -327,7 +328,7 @@ class _RowLinearOverPeers(torch.autograd.Function):
         with _no_autocast(h):
             grad_rows = _rows(grad_y.to(h.dtype))  # [s/tp*b, out]
             gather = transfers.all_gather(grad_rows, ctx.group, keep=holding, whole=True,
-                                          owner=ctx.owner if holding else None)
+                                          owner=transfers.held_grad_y_owner(ctx.group) if holding else None)
             grad_h = h.new_empty(_rows(h).shape)  # [s*b, in/tp]
             if holding:  # grad_h rank by rank as the pieces arrive; the weight gradient over the kept grad_y, later
                 _gather_multiply(gather, w, None, grad_h)

@@ -12,7 +12,7 @@ copies nothing (`kept_input_part`, `row_grad_part`). Process group: the tp group
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,21 +116,37 @@ def kept_input_part(like: torch.Tensor, group, owner: torch.Tensor) -> Optional[
 
 
 def row_grad_part(group, shape, dtype: torch.dtype, device: torch.device,
-                  owner: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                  kept: bool = False) -> Optional[torch.Tensor]:
     """Where the next row layer's backward on group (overlap_gemms' row layer, or the serial gather of
     the work a graph captures) all-gathers a grad_y [shape] of dtype and finds this rank's rows without
     copying them: in the work a CUDA graph captures over copy engines that reach the group, this
     rank's slot of the buffer that gather takes, reserved for it (peer_collectives.reserve_gather_part),
-    or, for a row layer that keeps its gathered grad_y for a held weight gradient (`owner`: its weight),
-    this rank's part of that layer's kept buffer; None elsewhere. For grad_y's producer, the norm after
-    the layer (ParallelNorm.x_grad_into), whose backward must be followed on the group by that gather."""
+    or, for a row layer that keeps its gathered grad_y for a held weight gradient (`kept`), this rank's
+    part of the group's buffer for those (`held_grad_y_owner`); None elsewhere. For grad_y's producer,
+    the norm after the layer (ParallelNorm.x_grad_into), whose backward must be followed on the group
+    by that gather."""
     if not (peer_collectives.capturing_for_graphs() and device.type == "cuda"
             and copy_engines_reach(torch.empty(0, device=device), group)):
         return None
-    if owner is not None:
-        kept = _kept_buffer(shape, dtype, device, group, owner)
-        return peer_collectives.kept_part(kept, group, shape, dtype)
+    if kept:
+        buffer = _kept_buffer(shape, dtype, device, group, held_grad_y_owner(group))
+        return peer_collectives.kept_part(buffer, group, shape, dtype)
     return peer_collectives.reserve_gather_part(group, shape, dtype, device)
+
+
+_held_grad_y_owners: Dict[int, torch.Tensor] = {}  # id(group) -> held_grad_y_owner(group)
+
+
+def held_grad_y_owner(group) -> torch.Tensor:
+    """The owner (peer_collectives.kept_buffer) of the buffer on group where a row layer keeps its gathered
+    grad_y for a weight gradient held for later in its block's backward (tpflash.parallel.held_work):
+    one for all such layers of the group, as one block's held gradients run within its own backward,
+    before the next block's row layer gathers into it (that gather's pushes start only after a later
+    call's barrier, which every rank reaches after the GEMMs queued before it)."""
+    key = id(group)
+    if key not in _held_grad_y_owners:
+        _held_grad_y_owners[key] = torch.empty(0)
+    return _held_grad_y_owners[key]
 
 
 def reduce_scatter(group, shape, like: torch.Tensor):
