@@ -36,11 +36,13 @@ _CUBLAS_GEMM_DEFAULT = -1
 
 @functools.lru_cache(maxsize=None)
 def _gemm_batched_ex():
-    """cublasGemmBatchedEx from the libcublas torch has loaded (with its argument types), or None."""
+    """cublasGemmBatchedEx from the libcublas torch has loaded (the one of torch's CUDA major version,
+    whose handles torch hands out), with its argument types; None where it is not found."""
     torch.cuda.current_blas_handle()  # loads libcublas
+    name = f"/libcublas.so.{(torch.version.cuda or '').split('.')[0]}"
     try:
         with open("/proc/self/maps") as maps:
-            path = next(line.split()[-1] for line in maps if "/libcublas.so" in line)
+            path = next(line.split()[-1] for line in maps if line.rstrip().endswith(name))
         fn = ctypes.CDLL(path).cublasGemmBatchedEx
     except (OSError, StopIteration, AttributeError):
         return None
