@@ -43,8 +43,11 @@ def test_held_weight_gradients_of_one_shape_run_as_one_batch_in_the_place_of_the
     from tpflash.parallel import held_work as module
     batches, ran = [], []
     real = module.weight_grads_fp32
-    monkeypatch.setattr(module, "weight_grads_fp32",
-                        lambda grads, xs, **kw: batches.append(len(grads)) or ran.append("batch") or real(grads, xs, **kw))
+    def spy(grads, xs, **kw):
+        batches.append(len(grads))
+        ran.append("batch")
+        return real(grads, xs, **kw)
+    monkeypatch.setattr(module, "weight_grads_fp32", spy)
     torch.manual_seed(0)
     square = [(torch.randn(6, 4), torch.randn(6, 4)) for _ in range(2)]
     other = (torch.randn(6, 3), torch.randn(6, 4))

@@ -172,7 +172,8 @@ class ParallelTransformerBlock(nn.Module):
         its capture."""
         able = (enabled and self.sequence_parallel and group_size(self.process_group) > 1
                 and self.checkpoint in (None, "activation") and self.fp8 == "off")
-        self.mlp_norm.x_grad_into = functools.partial(row_grad_part, sublayer_group(self.process_group)) if able else None
+        group = sublayer_group(self.process_group)
+        self.mlp_norm.x_grad_into = functools.partial(row_grad_part, group) if able else None
         self.attn_norm.x_grad_into = previous.output_grad_into(holding) if able and previous is not None else None
 
     def output_grad_into(self, holding: bool = False):
