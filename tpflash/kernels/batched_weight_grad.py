@@ -37,14 +37,18 @@ _CUBLAS_GEMM_DEFAULT = -1
 @functools.lru_cache(maxsize=None)
 def _gemm_batched_ex():
     """cublasGemmBatchedEx from the libcublas torch has loaded (the one of torch's CUDA major version,
-    whose handles torch hands out), with its argument types; None where it is not found."""
+    whose handles torch hands out, where the process maps several), with its argument types; None where
+    none is found."""
     torch.cuda.current_blas_handle()  # loads libcublas
-    name = f"/libcublas.so.{(torch.version.cuda or '').split('.')[0]}"
+    own = f"/libcublas.so.{(torch.version.cuda or '').split('.')[0]}"
     try:
         with open("/proc/self/maps") as maps:
-            path = next(line.split()[-1] for line in maps if line.rstrip().endswith(name))
+            mapped = [line.split()[-1] for line in maps if "/libcublas.so" in line]
+        path = next((m for m in mapped if m.endswith(own)), mapped[0] if mapped else None)
+        if path is None:
+            return None
         fn = ctypes.CDLL(path).cublasGemmBatchedEx
-    except (OSError, StopIteration, AttributeError):
+    except (OSError, AttributeError):
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i, i]
