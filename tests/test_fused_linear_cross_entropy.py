@@ -75,26 +75,82 @@ def test_fused_linear_cross_entropy_without_grad_gives_the_loss():
     assert_close(loss, _reference(hidden, weight, target, "mean")[0], "loss")
 
 
-def vocab_parallel_body(tp, reduction, vocab, sequence_parallel):
+def _weight_shard(weight, vocab, tp, rank):
+    """This rank's rows of the vocabulary padded to tp shards, and the padded size."""
+    padded = padded_vocab_size(vocab, tp)
+    rows = padded // tp
+    full_w = torch.cat([weight, weight.new_zeros(padded - vocab, HIDDEN)])
+    return full_w[rank * rows:(rank + 1) * rows].clone().requires_grad_(), padded
+
+
+def _assert_weight_grad(w, ref_dw, vocab, padded, tp, rank, tol):
+    rows = padded // tp
+    ref_dw = torch.cat([ref_dw, ref_dw.new_zeros(padded - vocab, HIDDEN)])[rank * rows:(rank + 1) * rows]
+    assert_close(w.grad, ref_dw, "d weight", tol)
+
+
+def vocab_parallel_body(tp, reduction, vocab, sequence_parallel, chunk_size=5):
     ps = init_tp(tp)
     dtype = torch.float32 if ps.device.type == "cpu" else torch.bfloat16
     hidden, weight, target = _data(ps.device, dtype, vocab)
     ref, ref_dh, ref_dw, g = _reference(hidden, weight, target, reduction)
-    padded = padded_vocab_size(vocab, tp)
-    rows = padded // tp
-    full_w = torch.cat([weight, weight.new_zeros(padded - vocab, HIDDEN)])
-    w = full_w[ps.tp_rank * rows:(ps.tp_rank + 1) * rows].clone().requires_grad_()
+    w, padded = _weight_shard(weight, vocab, tp, ps.tp_rank)
     seq = hidden.shape[0] // tp if sequence_parallel else hidden.shape[0]
     start = ps.tp_rank * seq if sequence_parallel else 0
     h = hidden[start:start + seq].clone().requires_grad_()
-    loss = fused_linear_cross_entropy(h, w, target, vocab_size=vocab, reduction=reduction, chunk_size=5,
+    loss = fused_linear_cross_entropy(h, w, target, vocab_size=vocab, reduction=reduction, chunk_size=chunk_size,
                                       sequence_parallel=sequence_parallel)
     loss.backward(g)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert_close(loss.float(), ref, "loss", tol)
     assert_close(h.grad, ref_dh[start:start + seq], "d hidden", tol)
-    ref_dw = torch.cat([ref_dw, ref_dw.new_zeros(padded - vocab, HIDDEN)])[ps.tp_rank * rows:(ps.tp_rank + 1) * rows]
-    assert_close(w.grad, ref_dw, "d weight", tol)
+    _assert_weight_grad(w, ref_dw, vocab, padded, tp, ps.tp_rank, tol)
+
+
+def batch_first_body(tp, reduction):
+    """hidden [batch, seq/tp, H] with seq_dim=1: the loss runs sequence-first and gives the same values."""
+    ps = init_tp(tp)
+    dtype = torch.float32 if ps.device.type == "cpu" else torch.bfloat16
+    hidden, weight, target = _data(ps.device, dtype)
+    ref, ref_dh, ref_dw, g = _reference(hidden, weight, target, reduction)
+    w, padded = _weight_shard(weight, VOCAB, tp, ps.tp_rank)
+    seq = SEQ // tp
+    start = ps.tp_rank * seq
+    h = hidden.transpose(0, 1)[:, start:start + seq].clone().requires_grad_()  # [batch, seq/tp, H]
+    loss = fused_linear_cross_entropy(h, w, target.t(), vocab_size=VOCAB, reduction=reduction, chunk_size=5,
+                                      sequence_parallel=True, seq_dim=1)
+    per_token = reduction == "none"
+    loss.backward(g.t() if per_token else g)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(loss.float(), ref.t() if per_token else ref, "loss", tol)
+    assert_close(h.grad, ref_dh.transpose(0, 1)[:, start:start + seq], "d hidden", tol)
+    _assert_weight_grad(w, ref_dw, VOCAB, padded, tp, ps.tp_rank, tol)
+
+
+def own_rows_first_body(tp):
+    """The logits GEMM takes this rank's own rows before any peer's (they need no transfer), then the
+    next ranks' in turn, each once."""
+    from tpflash.parallel import overlap_transfers
+    asked, real = [], overlap_transfers.all_gather
+
+    class Recorded:
+        def __init__(self, gather):
+            self.gather = gather
+
+        def __getattr__(self, name):
+            return getattr(self.gather, name)
+
+        def piece(self, r):
+            asked.append(r)
+            return self.gather.piece(r)
+
+    overlap_transfers.all_gather = lambda *a, **k: Recorded(real(*a, **k))
+    try:
+        vocab_parallel_body(tp, "mean", VOCAB, True, chunk_size=SEQ * BATCH)  # one chunk of every token
+    finally:
+        overlap_transfers.all_gather = real
+    rank = torch.distributed.get_rank()
+    assert asked == [(rank + step) % tp for step in range(tp)], f"rank {rank} multiplied the ranks' rows in order {asked}"
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -110,6 +166,28 @@ def test_sequence_parallel_fused_linear_cross_entropy_matches_one_process(ranks,
     chunk's d weight GEMM, and scaled by the upstream gradient in the backward; "none" forms and
     reduce-scatters it in the backward."""
     ranks(tp).run(vocab_parallel_body, tp, reduction, VOCAB, True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_sequence_parallel_fused_linear_cross_entropy_batch_first_matches_one_process(ranks, tp, reduction):
+    ranks(tp).run(batch_first_body, tp, reduction)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_fused_linear_cross_entropy_multiplies_its_own_rows_first(ranks, tp):
+    ranks(tp).run(own_rows_first_body, tp)
+
+
+def test_fused_linear_cross_entropy_rejects_the_feature_dim_as_sequence_dim(ranks):
+    ranks(2).run(feature_dim_body)
+
+
+def feature_dim_body():
+    init_tp(2)
+    with pytest.raises(ValueError, match=r"seq_dim=-1 names hidden's feature dimension"):
+        fused_linear_cross_entropy(torch.randn(2, 3, HIDDEN), torch.randn(16, HIDDEN), torch.zeros(4, 3, dtype=torch.long),
+                                   sequence_parallel=True, seq_dim=-1)
 
 
 def test_fused_linear_cross_entropy_rejects_a_mismatched_weight():
@@ -155,3 +233,28 @@ def test_sequence_parallel_fused_linear_cross_entropy_reduce_scatters_through_th
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     ranks(tp).run(beside_the_gemm_body, tp)
+
+
+def gather_through_copy_engines_body(tp):
+    """On GPUs that map each other's memory the copy engines carry hidden's all-gather, beside the
+    logits GEMM of this rank's own rows; on CPU the group's own collective does."""
+    from tpflash.parallel import peer_collectives
+    started, real = [], peer_collectives.PeerAllGather
+    peer_collectives.PeerAllGather = lambda *a, **k: started.append(1) or real(*a, **k)
+    try:
+        vocab_parallel_body(tp, "mean", VOCAB, True)
+    finally:
+        peer_collectives.PeerAllGather = real
+    assert bool(started) == torch.cuda.is_available(), f"copy-engine all-gathers: {len(started)}"
+
+
+def test_sequence_parallel_fused_linear_cross_entropy_gathers_on_the_groups_collective_on_cpu(ranks):
+    ranks(2).run(gather_through_copy_engines_body, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_fused_linear_cross_entropy_gathers_through_the_copy_engines(ranks, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ranks(tp).run(gather_through_copy_engines_body, tp)

@@ -7,11 +7,16 @@ d weight (3 GEMMs per chunk, as the unfused forward + backward) so the backward 
 them. For "none" the per-token upstream gradient is unknown in the forward, so the backward
 recomputes each chunk's logits (one extra GEMM).
 
-Under sequence parallelism hidden is gathered along the sequence first, and d hidden is
-reduce-scattered back. Where d hidden is formed in the forward, its reduce-scatter is issued there,
-as soon as the last chunk's d hidden GEMM is done, and travels beside that chunk's d weight GEMM
-(on the copy engines where they reach the group: an NCCL kernel would wait for the GEMM's SMs):
-the backward then only scales this rank's part.
+Under sequence parallelism hidden is all-gathered along the sequence while the first chunk's logits
+are computed: their GEMM runs per rank's rows, this rank's own first (they wait for no transfer),
+each peer's once they are here (tpflash.parallel.overlap_transfers: on the copy engines where they
+reach the group, else the group's all-gather first). Every rank runs the chunks in one order, since
+their loss statistics are combined over tp chunk by chunk, so where one chunk holds fewer than all
+the tokens, the ranks whose rows it does not hold wait for the first peer's. d hidden is
+reduce-scattered back. Where d hidden is formed in the forward, its reduce-scatter is issued there, as soon as the last
+chunk's d hidden GEMM is done, and travels beside that chunk's d weight GEMM (on the copy engines
+where they reach the group: an NCCL kernel would wait for the GEMM's SMs): the backward then only
+scales this rank's part.
 
 The GEMMs run in autocast's dtype under autocast (else in hidden's dtype), on a copy of the weight
 cast inside, as F.linear's would; d weight is written in fp32 by the GEMMs and summed over the
@@ -26,6 +31,7 @@ import torch
 
 from ..kernels.weight_grad import weight_grad_fp32
 from ..parallel import comm
+from ..parallel import overlap_transfers as transfers
 from ..parallel.state import group_size, resolve_tp_group
 from .cross_entropy import ShardLoss, check_loss_args, check_vocab, reduce_loss
 
@@ -42,27 +48,47 @@ def _chunks(n: int, size: int):
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
+def _gathered_logits(gather, rows: slice, w: torch.Tensor, per_rank: int) -> torch.Tensor:
+    """hidden[rows] @ w.T [len(rows), V/tp] while hidden's all-gather is open: the rows of each rank r
+    ([r * per_rank, (r + 1) * per_rank) of the gathered [N, H]) multiplied once r's part is here, this
+    rank's own first (they wait for no transfer), then the next ranks' (gather.order())."""
+    out = w.new_empty((rows.stop - rows.start, w.shape[0]))
+    for r in gather.order():
+        lo, hi = max(rows.start, r * per_rank), min(rows.stop, (r + 1) * per_rank)
+        if lo < hi:
+            torch.mm(gather.piece(r)[lo - r * per_rank:hi - r * per_rank], w.t(),
+                     out=out[lo - rows.start:hi - rows.start])
+    return out
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """loss(hidden @ weight.T); hidden is `full`, or under sequence parallelism (`scatter` = (group,
-    seq_dim)) `full` is `local` gathered along seq_dim and d local is d full reduce-scattered."""
+    """loss(hidden @ weight.T); hidden [*, H] holds every token (replicated over tp), or under sequence
+    parallelism (`scatter` = group) this rank's rows [N/tp, H] of the sequence-first tokens: they are
+    all-gathered here, and d hidden is reduce-scattered."""
 
     @staticmethod
-    def forward(ctx, full, local, weight, target, group, ignore_index, reduction, chunk_size, vocab_size,
+    def forward(ctx, hidden, weight, target, group, ignore_index, reduction, chunk_size, vocab_size,
                 label_smoothing, z_loss, needs_grad, scatter):
-        hidden = full if local is None else local
         ctx.dtypes = (hidden.dtype, weight.dtype)
-        with torch.autocast(full.device.type, enabled=False):
-            h2, w = full.reshape(-1, full.shape[-1]), weight.to(full.dtype)  # [N, H], [V/tp, H]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, local = weight.to(hidden.dtype), hidden.reshape(-1, hidden.shape[-1])  # [V/tp, H], [n, H]
             t = target.reshape(-1)  # [N]
+            # under sequence parallelism the peers' rows travel while this rank's own are multiplied
+            gather = None if scatter is None else transfers.all_gather(local, scatter)
+            h2 = local if gather is None else None  # [N, H] once gathered
             loss_args = (group, ignore_index, label_smoothing, z_loss, vocab_size)
-            losses = torch.empty(t.shape[0], device=full.device, dtype=torch.float32)
+            losses = torch.empty(t.shape[0], device=hidden.device, dtype=torch.float32)
             precompute = needs_grad and reduction != "none"
             if precompute:
                 count = (t != ignore_index).sum().clamp_min(1) if reduction == "mean" else None
-                grad_h, grad_w = torch.empty_like(h2), None  # grad_w: fp32 [V/tp, H], summed over chunks
+                grad_h, grad_w = w.new_empty((t.shape[0], w.shape[1])), None  # grad_w: fp32 [V/tp, H], summed
             chunks, scattered = _chunks(t.shape[0], chunk_size), None
             for i, rows in enumerate(chunks):
-                logits = h2[rows] @ w.t()  # [chunk, V/tp]
+                if h2 is None:
+                    logits = _gathered_logits(gather, rows, w, local.shape[0])  # [chunk, V/tp]
+                    h2 = gather.finish()
+                else:
+                    logits = h2[rows] @ w.t()
                 shard = ShardLoss(logits, t[rows], *loss_args)
                 losses[rows] = shard.loss
                 if precompute:
@@ -70,13 +96,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     g = shard.logits_grad(logits, row_scale, out=logits)  # the logits buffer becomes the gradient
                     torch.matmul(g, w, out=grad_h[rows])
                     if scatter is not None and i == len(chunks) - 1:  # d hidden is whole: it travels now
-                        scattered = comm.reduce_scatter_async(grad_h.view(full.shape), scatter[1], scatter[0],
-                                                              beside_compute=True)
+                        scattered = comm.reduce_scatter_async(grad_h, 0, scatter, beside_compute=True)
                     grad_w = weight_grad_fp32(g, h2[rows], into=grad_w)
+            if h2 is None:  # no tokens
+                h2 = gather.finish()
             if precompute and scatter is not None:
-                grad_h = (scattered or comm.reduce_scatter_async(grad_h.view(full.shape), scatter[1],
-                                                                 scatter[0])).wait()  # [.., seq/tp, .., H]
-        ctx.args = (loss_args, chunk_size, reduction, precompute, hidden.shape, full.shape, scatter)
+                grad_h = (scattered or comm.reduce_scatter_async(grad_h, 0, scatter)).wait()  # [n, H]
+        ctx.args = (loss_args, chunk_size, reduction, precompute, hidden.shape, scatter)
         if precompute:
             ctx.save_for_backward(grad_h, grad_w)
         elif needs_grad:
@@ -85,7 +111,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        loss_args, chunk_size, reduction, precompute, shape, full_shape, scatter = ctx.args
+        loss_args, chunk_size, reduction, precompute, shape, scatter = ctx.args
         h_dtype, w_dtype = ctx.dtypes
         if precompute:
             grad_h, grad_w = ctx.saved_tensors
@@ -102,10 +128,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     torch.matmul(g, w, out=grad_h[rows])
                     grad_w = weight_grad_fp32(g, h2[rows], into=grad_w)
             if scatter is not None:
-                grad_h = comm.reduce_scatter(grad_h.view(full_shape), scatter[1], scatter[0])
-        grad_h = grad_h.reshape(shape).to(h_dtype)
-        grads = (None, grad_h) if scatter is not None else (grad_h, None)
-        return *grads, grad_w.to(w_dtype), *([None] * 10)
+                grad_h = comm.reduce_scatter(grad_h, 0, scatter)
+        return grad_h.reshape(shape).to(h_dtype), grad_w.to(w_dtype), *([None] * 10)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, target: torch.Tensor,
@@ -136,20 +160,27 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor,
     tp = group_size(group)
     if weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight_shard shape {tuple(weight_shard.shape)} must be [V/tp, hidden={hidden.shape[-1]}]")
-    # cast before any gather: the collective then moves the compute dtype's bytes
-    hidden = hidden.to(_compute_dtype(hidden))
-    scatter = (group, seq_dim) if sequence_parallel and tp > 1 else None
-    if scatter is not None:  # gathered here, outside autograd: the Function reduce-scatters d hidden itself
-        with torch.no_grad():
-            full = comm.all_gather(hidden, seq_dim, group)
-        local = hidden
-    else:
-        full, local = comm.copy_to_tp_region(hidden, group), None
-    if full.shape[:-1] != target.shape:
-        raise ValueError(f"hidden shape {tuple(full.shape)} (after any sequence gather) does not match target "
+    scatter = group if sequence_parallel and tp > 1 else None
+    if scatter is not None:
+        dim = seq_dim % hidden.dim()
+        if dim == hidden.dim() - 1:
+            raise ValueError(f"seq_dim={seq_dim} names hidden's feature dimension (hidden shape {tuple(hidden.shape)}); "
+                             "the sequence dimension must come before it")
+        if dim != 0:  # other layouts run sequence-first: each rank's rows are then one block of the tokens
+            loss = fused_linear_cross_entropy(hidden.movedim(dim, 0), weight_shard, target.movedim(dim, 0),
+                                              process_group, ignore_index, reduction, chunk_size, vocab_size,
+                                              label_smoothing=label_smoothing, z_loss=z_loss, sequence_parallel=True)
+            return loss.movedim(0, dim) if reduction == "none" else loss
+    full_shape = hidden.shape if scatter is None else (tp * hidden.shape[0],) + hidden.shape[1:]
+    if full_shape[:-1] != target.shape:
+        raise ValueError(f"hidden shape {tuple(full_shape)} (after any sequence gather) does not match target "
                          f"shape {tuple(target.shape)} (expected hidden [*, H] and target [*])")
     check_vocab(vocab_size, weight_shard.shape[0], tp, target, ignore_index)
+    # cast before any gather: the collective then moves the compute dtype's bytes
+    hidden = hidden.to(_compute_dtype(hidden))
     requires_grad = hidden.requires_grad or weight_shard.requires_grad
-    return _FusedLinearCrossEntropy.apply(full, local, weight_shard, target, group, ignore_index, reduction, chunk_size,
+    if scatter is None:  # d hidden summed over tp
+        hidden = comm.copy_to_tp_region(hidden, group)
+    return _FusedLinearCrossEntropy.apply(hidden, weight_shard, target, group, ignore_index, reduction, chunk_size,
                                           vocab_size, label_smoothing, z_loss,
                                           torch.is_grad_enabled() and requires_grad, scatter)
