@@ -13,10 +13,10 @@ each peer's once they are here (tpflash.parallel.overlap_transfers: on the copy 
 reach the group, else the group's all-gather first). Every rank runs the chunks in one order, since
 their loss statistics are combined over tp chunk by chunk, so where one chunk holds fewer than all
 the tokens, the ranks whose rows it does not hold wait for the first peer's. d hidden is
-reduce-scattered back. Where d hidden is formed in the forward, its reduce-scatter is issued there, as soon as the last
-chunk's d hidden GEMM is done, and travels beside that chunk's d weight GEMM (on the copy engines
-where they reach the group: an NCCL kernel would wait for the GEMM's SMs): the backward then only
-scales this rank's part.
+reduce-scattered back. Where d hidden is formed in the forward, its reduce-scatter is issued there,
+as soon as the last chunk's d hidden GEMM is done, and travels beside that chunk's d weight GEMM
+(on the copy engines where they reach the group: an NCCL kernel would wait for the GEMM's SMs):
+the backward then only scales this rank's part.
 
 The GEMMs run in autocast's dtype under autocast (else in hidden's dtype), on a copy of the weight
 cast inside, as F.linear's would; d weight is written in fp32 by the GEMMs and summed over the
