@@ -150,7 +150,8 @@ def own_rows_first_body(tp):
     finally:
         overlap_transfers.all_gather = real
     rank = torch.distributed.get_rank()
-    assert asked == [(rank + step) % tp for step in range(tp)], f"rank {rank} multiplied the ranks' rows in order {asked}"
+    expected = [(rank + step) % tp for step in range(tp)]
+    assert asked == expected, f"rank {rank} multiplied the ranks' rows in the order {asked}, not {expected}"
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -186,8 +187,8 @@ def test_fused_linear_cross_entropy_rejects_the_feature_dim_as_sequence_dim(rank
 def feature_dim_body():
     init_tp(2)
     with pytest.raises(ValueError, match=r"seq_dim=-1 names hidden's feature dimension"):
-        fused_linear_cross_entropy(torch.randn(2, 3, HIDDEN), torch.randn(16, HIDDEN), torch.zeros(4, 3, dtype=torch.long),
-                                   sequence_parallel=True, seq_dim=-1)
+        fused_linear_cross_entropy(torch.randn(2, 3, HIDDEN), torch.randn(16, HIDDEN),
+                                   torch.zeros(4, 3, dtype=torch.long), sequence_parallel=True, seq_dim=-1)
 
 
 def test_fused_linear_cross_entropy_rejects_a_mismatched_weight():

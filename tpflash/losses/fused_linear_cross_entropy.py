@@ -164,8 +164,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor,
     if scatter is not None:
         dim = seq_dim % hidden.dim()
         if dim == hidden.dim() - 1:
-            raise ValueError(f"seq_dim={seq_dim} names hidden's feature dimension (hidden shape {tuple(hidden.shape)}); "
-                             "the sequence dimension must come before it")
+            raise ValueError(f"seq_dim={seq_dim} names hidden's feature dimension (hidden shape "
+                             f"{tuple(hidden.shape)}); the sequence dimension must come before it")
         if dim != 0:  # other layouts run sequence-first: each rank's rows are then one block of the tokens
             loss = fused_linear_cross_entropy(hidden.movedim(dim, 0), weight_shard, target.movedim(dim, 0),
                                               process_group, ignore_index, reduction, chunk_size, vocab_size,
