@@ -50,18 +50,28 @@ def load(directory: str) -> List[dict]:
     return rows
 
 
-def efficiencies(rows: List[dict], model: str) -> Tuple[Dict[int, float], List[Tuple[int, Tuple[int, int], float, float]]]:
+def _speed(r: dict, ahead: bool) -> float:
+    """tokens/s/GPU of a row: over its isolated steps (bench_e2e's median between two syncs), or with
+    `ahead` over its steps issued one ahead of the GPU, as tpflash's trainer runs them (same tokens
+    per step, over `ahead_ms` instead of `step_ms`)."""
+    return r["tok_s_gpu"] * r["step_ms"] / r["ahead_ms"] if ahead else r["tok_s_gpu"]
+
+
+def efficiencies(rows: List[dict], model: str, ahead: bool = False
+                 ) -> Tuple[Dict[int, float], List[Tuple[int, Tuple[int, int], float, float]]]:
     """({gpu: its tp=1 tokens/s/GPU (mean over launches)}, [(tp, gpus, tokens/s/GPU, efficiency)] for
-    every tp > 1 launch of `model`, against the mean of its GPUs' tp=1). Raises ValueError where a
-    launch's GPU has no tp=1 row, or a row has an error or no tokens/s."""
+    every tp > 1 launch of `model`, against the mean of its GPUs' tp=1); `ahead`: the speeds of steps
+    issued one ahead (`_speed`). Raises ValueError where a launch's GPU has no tp=1 row, or a row has
+    an error or no tokens/s."""
     mine = [r for r in rows if r.get("model") == model]
     for r in mine:
         if r.get("error") or not r.get("tok_s_gpu"):
-            raise ValueError(f"{model} at tp={r['tp']} on GPUs {r['gpus']}: no speed ({r.get('error', 'tok_s_gpu missing')})")
+            raise ValueError(f"{model} at tp={r['tp']} on GPUs {r['gpus']}: no speed "
+                             f"({r.get('error', 'tok_s_gpu missing')})")
     single: Dict[int, List[float]] = {}
     for r in mine:
         if r["tp"] == 1:
-            single.setdefault(r["gpus"][0], []).append(r["tok_s_gpu"])
+            single.setdefault(r["gpus"][0], []).append(_speed(r, ahead))
     tp1 = {gpu: statistics.mean(values) for gpu, values in sorted(single.items())}
     out = []
     for r in sorted((r for r in mine if r["tp"] > 1), key=lambda r: (r["tp"], r["gpus"])):
@@ -70,19 +80,25 @@ def efficiencies(rows: List[dict], model: str) -> Tuple[Dict[int, float], List[T
         if missing:
             raise ValueError(f"{model} at tp={r['tp']} on GPUs {first}-{last}: no tp=1 row for GPU {missing}")
         reference = statistics.mean(tp1[g] for g in range(first, last + 1))
-        out.append((r["tp"], r["gpus"], r["tok_s_gpu"], r["tok_s_gpu"] / reference))
+        out.append((r["tp"], r["gpus"], _speed(r, ahead), _speed(r, ahead) / reference))
     return tp1, out
 
 
 def table(rows: List[dict]) -> str:
-    """One markdown table per model: tp=1 on each GPU, then each tp > 1 launch and its efficiency."""
+    """One markdown table per model: tp=1 on each GPU, then each tp > 1 launch and its efficiency, and
+    where every row timed its steps one ahead too (bench_e2e on CUDA), the same for those."""
     parts = []
     for model in sorted({r["model"] for r in rows}):
         tp1, launches = efficiencies(rows, model)
+        both = all(r.get("ahead_ms") and r.get("step_ms") for r in rows if r.get("model") == model)
+        ahead = efficiencies(rows, model, ahead=True)[1] if both else [None] * len(launches)
         lines = [f"{model}, tp=1 tokens/s/GPU by GPU: " + ", ".join(f"{g}: {v:,.0f}" for g, v in tp1.items()), "",
-                 "| tp | GPUs | tokens/s/GPU | efficiency (against the mean of its GPUs' tp=1) |",
-                 "|---:|---|---:|---:|"]
-        lines += [f"| {tp} | {a}-{b} | {speed:,.0f} | {eff:.3f} |" for tp, (a, b), speed, eff in launches]
+                 "| tp | GPUs | tokens/s/GPU | efficiency (against the mean of its GPUs' tp=1) |"
+                 + (" one step ahead: tokens/s/GPU | efficiency |" if both else ""),
+                 "|---:|---|---:|---:|" + ("---:|---:|" if both else "")]
+        for (tp, (a, b), speed, eff), late in zip(launches, ahead):
+            lines.append(f"| {tp} | {a}-{b} | {speed:,.0f} | {eff:.3f} |"
+                         + (f" {late[2]:,.0f} | {late[3]:.3f} |" if late else ""))
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 

@@ -44,6 +44,22 @@ def test_the_table_lists_every_gpus_tp1_and_every_launch(tmp_path):
     assert "| 2 | 0-1 | 88 | 0.898 |" in text and "| 4 | 0-3 | 80 | 0.808 |" in text
 
 
+def test_the_table_adds_the_efficiency_of_steps_issued_one_ahead_where_every_row_has_it(tmp_path):
+    """Steps issued one ahead (as the trainer runs them) move the same tokens in ahead_ms instead of step_ms."""
+    for gpu in (0, 1):
+        _write(str(tmp_path), f"tp1_gpus{gpu}-{gpu}.jsonl",
+               [{"model": "m", "tp": 1, "tok_s_gpu": 100.0, "step_ms": 200.0, "ahead_ms": 200.0}])
+    _write(str(tmp_path), "tp2_gpus0-1.jsonl", [{"model": "m", "tp": 2, "tok_s_gpu": 80.0, "step_ms": 125.0,
+                                                 "ahead_ms": 120.0}])
+    text = table(load(str(tmp_path)))
+    assert "| 2 | 0-1 | 80 | 0.800 | 83 | 0.833 |" in text
+
+
+def test_the_table_leaves_out_the_steps_one_ahead_where_a_row_lacks_them(tmp_path):
+    _results(str(tmp_path))
+    assert "one step ahead" not in table(load(str(tmp_path)))
+
+
 def test_a_launch_without_its_gpus_tp1_is_refused(tmp_path):
     _results(str(tmp_path))
     os.remove(tmp_path / "tp1_gpus3-3.jsonl")
