@@ -221,7 +221,8 @@ def beside_the_gemm_body(tp):
         vocab_parallel_body(tp, "mean", VOCAB, True)
     finally:
         peer_collectives.start_reduce_scatter = real
-    assert bool(started) == torch.cuda.is_available(), f"copy-engine reduce-scatters: {len(started)}"
+    on_gpus = torch.distributed.get_backend() == "nccl"  # else gloo ranks on CPU, as on a machine of one GPU
+    assert bool(started) == on_gpus, f"copy-engine reduce-scatters: {len(started)}"
 
 
 def test_sequence_parallel_fused_linear_cross_entropy_reduce_scatters_on_the_groups_collective_on_cpu(ranks):
@@ -246,7 +247,8 @@ def gather_through_copy_engines_body(tp):
         vocab_parallel_body(tp, "mean", VOCAB, True)
     finally:
         peer_collectives.PeerAllGather = real
-    assert bool(started) == torch.cuda.is_available(), f"copy-engine all-gathers: {len(started)}"
+    on_gpus = torch.distributed.get_backend() == "nccl"  # else gloo ranks on CPU, as on a machine of one GPU
+    assert bool(started) == on_gpus, f"copy-engine all-gathers: {len(started)}"
 
 
 def test_sequence_parallel_fused_linear_cross_entropy_gathers_on_the_groups_collective_on_cpu(ranks):
