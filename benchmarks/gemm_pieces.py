@@ -11,8 +11,9 @@ the input-gradient GEMMs of the blocks of gpt-2.7b and llama-1b at tp=2 and tp=4
 Each form is captured in a CUDA graph of 20 calls; the two graphs are replayed alternately 7 times
 and the medians printed, us per call. A second table times the weight-gradient GEMMs, which stay one
 GEMM over every row but narrow with tp (grad_y^T x written in fp32, as tpflash.kernels.weight_grad
-runs them), at tp = 1, 2 and 4, against 1/tp of tp=1's. Run it as the layers run at tp > 1, without a
-cuBLAS workspace:
+runs them), at tp = 1, 2 and 4, against 1/tp of tp=1's. A third times the fused loss's logits GEMM,
+hidden [tokens, hidden] @ W^T [hidden, V/tp], as one GEMM and per rank's rows (which its input's
+all-gather travels beside). Run it as the layers run at tp > 1, without a cuBLAS workspace:
 
     CUBLAS_WORKSPACE_CONFIG=:0:0 python benchmarks/gemm_pieces.py
 """
@@ -95,6 +96,22 @@ def weight_grads() -> None:
             print(f"| {model} | {layer} | {times[1]:.1f} | {cells[0]} | {cells[1]} |", flush=True)
 
 
+VOCAB = {"gpt-2.7b": 50304, "llama-1b": 32000}
+
+
+def loss_logits() -> None:
+    """The fused loss's logits GEMM, hidden [TOKENS, H] @ W^T [H, V/tp] (tpflash.losses.fused_linear_cross_entropy):
+    one GEMM against a GEMM per rank's rows, as it runs under sequence parallelism."""
+    print("\n| model | tp | logits GEMM | one GEMM, us | a GEMM per rank, us | difference |")
+    print("|---|---:|---|---:|---:|---:|")
+    for model, hidden in HIDDEN.items():
+        for tp in (2, 4):
+            local = -(-VOCAB[model] // tp)  # this rank's rows of the padded vocabulary (VocabParallelEmbedding's)
+            one, per_rank = compare(hidden, local, tp)
+            print(f"| {model} | {tp} | [{TOKENS} x {hidden}] @ [{hidden} x {local}] | {one:.1f} | {per_rank:.1f} | "
+                  f"{per_rank - one:+.1f} |", flush=True)
+
+
 def main() -> None:
     print("| model | layer | tp | GEMM | one GEMM, us | a GEMM per rank, us | difference |")
     print("|---|---|---:|---|---:|---:|---:|")
@@ -107,6 +124,7 @@ def main() -> None:
                 print(f"| {model} | {layer} | {tp} | [{TOKENS} x {k}] @ [{k} x {n}] | {one:.1f} | {per_rank:.1f} | "
                       f"{per_rank - one:+.1f} |", flush=True)
     weight_grads()
+    loss_logits()
 
 
 if __name__ == "__main__":
