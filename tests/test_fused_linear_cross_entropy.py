@@ -211,22 +211,25 @@ def test_fused_linear_cross_entropy_matches_torch_on_gpu():
     assert_close(w.grad, ref_dw, "d weight", 2e-2)
 
 
-def beside_the_gemm_body(tp):
-    """On GPUs that map each other's memory the copy engines carry d hidden's reduce-scatter beside the
-    last d weight GEMM (no SMs taken from it); on CPU the group's own collective does."""
+def copy_engine_body(tp, entry):
+    """On GPUs that map each other's memory the copy engines carry the loss's collectives, taking no SMs
+    from the GEMMs they travel beside: `entry` is the peer_collectives function that starts one
+    (start_reduce_scatter: d hidden's reduce-scatter, beside the last d weight GEMM; PeerAllGather:
+    hidden's all-gather, beside the logits GEMM of this rank's rows). On gloo ranks (CPU, also on a
+    machine of one GPU) the group's own collectives do."""
     from tpflash.parallel import peer_collectives
-    started, real = [], peer_collectives.start_reduce_scatter
-    peer_collectives.start_reduce_scatter = lambda *a, **k: started.append(1) or real(*a, **k)
+    started, real = [], getattr(peer_collectives, entry)
+    setattr(peer_collectives, entry, lambda *a, **k: started.append(1) or real(*a, **k))
     try:
         vocab_parallel_body(tp, "mean", VOCAB, True)
     finally:
-        peer_collectives.start_reduce_scatter = real
-    on_gpus = torch.distributed.get_backend() == "nccl"  # else gloo ranks on CPU, as on a machine of one GPU
-    assert bool(started) == on_gpus, f"copy-engine reduce-scatters: {len(started)}"
+        setattr(peer_collectives, entry, real)
+    on_gpus = torch.distributed.get_backend() == "nccl"
+    assert bool(started) == on_gpus, f"{entry} started {len(started)} copy-engine collectives"
 
 
 def test_sequence_parallel_fused_linear_cross_entropy_reduce_scatters_on_the_groups_collective_on_cpu(ranks):
-    ranks(2).run(beside_the_gemm_body, 2)
+    ranks(2).run(copy_engine_body, 2, "start_reduce_scatter")
 
 
 @pytest.mark.gpu
@@ -234,25 +237,11 @@ def test_sequence_parallel_fused_linear_cross_entropy_reduce_scatters_on_the_gro
 def test_sequence_parallel_fused_linear_cross_entropy_reduce_scatters_through_the_copy_engines(ranks, tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    ranks(tp).run(beside_the_gemm_body, tp)
-
-
-def gather_through_copy_engines_body(tp):
-    """On GPUs that map each other's memory the copy engines carry hidden's all-gather, beside the
-    logits GEMM of this rank's own rows; on CPU the group's own collective does."""
-    from tpflash.parallel import peer_collectives
-    started, real = [], peer_collectives.PeerAllGather
-    peer_collectives.PeerAllGather = lambda *a, **k: started.append(1) or real(*a, **k)
-    try:
-        vocab_parallel_body(tp, "mean", VOCAB, True)
-    finally:
-        peer_collectives.PeerAllGather = real
-    on_gpus = torch.distributed.get_backend() == "nccl"  # else gloo ranks on CPU, as on a machine of one GPU
-    assert bool(started) == on_gpus, f"copy-engine all-gathers: {len(started)}"
+    ranks(tp).run(copy_engine_body, tp, "start_reduce_scatter")
 
 
 def test_sequence_parallel_fused_linear_cross_entropy_gathers_on_the_groups_collective_on_cpu(ranks):
-    ranks(2).run(gather_through_copy_engines_body, 2)
+    ranks(2).run(copy_engine_body, 2, "PeerAllGather")
 
 
 @pytest.mark.gpu
@@ -260,4 +249,4 @@ def test_sequence_parallel_fused_linear_cross_entropy_gathers_on_the_groups_coll
 def test_sequence_parallel_fused_linear_cross_entropy_gathers_through_the_copy_engines(ranks, tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    ranks(tp).run(gather_through_copy_engines_body, tp)
+    ranks(tp).run(copy_engine_body, tp, "PeerAllGather")
