@@ -228,25 +228,19 @@ def copy_engine_body(tp, entry):
     assert bool(started) == on_gpus, f"{entry} started {len(started)} copy-engine collectives"
 
 
-def test_sequence_parallel_fused_linear_cross_entropy_reduce_scatters_on_the_groups_collective_on_cpu(ranks):
-    ranks(2).run(copy_engine_body, 2, "start_reduce_scatter")
+COLLECTIVES = pytest.mark.parametrize("entry", ["start_reduce_scatter", "PeerAllGather"],
+                                      ids=["d-hidden-reduce-scatter", "hidden-all-gather"])
+
+
+@COLLECTIVES
+def test_sequence_parallel_fused_linear_cross_entropy_collectives_use_the_groups_own_on_cpu(ranks, entry):
+    ranks(2).run(copy_engine_body, 2, entry)
 
 
 @pytest.mark.gpu
+@COLLECTIVES
 @pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_parallel_fused_linear_cross_entropy_reduce_scatters_through_the_copy_engines(ranks, tp):
+def test_sequence_parallel_fused_linear_cross_entropy_collectives_go_through_the_copy_engines(ranks, tp, entry):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    ranks(tp).run(copy_engine_body, tp, "start_reduce_scatter")
-
-
-def test_sequence_parallel_fused_linear_cross_entropy_gathers_on_the_groups_collective_on_cpu(ranks):
-    ranks(2).run(copy_engine_body, 2, "PeerAllGather")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_parallel_fused_linear_cross_entropy_gathers_through_the_copy_engines(ranks, tp):
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"needs {tp} GPUs")
-    ranks(tp).run(copy_engine_body, tp, "PeerAllGather")
+    ranks(tp).run(copy_engine_body, tp, entry)
